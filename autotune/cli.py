@@ -1,0 +1,207 @@
+"""The ``autotune`` command line. It only parses arguments and calls the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from autotune.errors import USER_ERRORS, CliError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target: alias, local directory or hub id")
+    p.add_argument("--draft", help="draft model of the same family (alias, directory or hub id)")
+    p.add_argument("--dtype", default="float32", help="target dtype (float32 default: lossless checks)")
+    p.add_argument("--device", default="cpu")
+
+
+def _add_prompt_args(p: argparse.ArgumentParser, need_task: bool) -> None:
+    if not need_task:
+        p.add_argument("--prompt", help="a single prompt (chat template applied when the model has one)")
+    p.add_argument("--task", required=need_task, help="task name: gsm8k, humaneval, mt-bench, prompts")
+    p.add_argument("--data", help="data file or folder for the task (default: $AUTOTUNE_DATA_DIR)")
+    p.add_argument("--limit", type=int, default=None if not need_task else 5)
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts of the task")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def _add_strategy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-length", type=int, help="tokens drafted per round (strategy default if unset)")
+    p.add_argument("--draft-precision", help="draft arithmetic: auto, float32, bfloat16, int8 (strategy default if unset)")
+    p.add_argument("--draft-vocab", type=int, help="restrict the draft head to ids < N (0 = full head)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autotune", description="Auto-tuned lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text (speculatively when --draft is given)")
+    _add_model_args(gen)
+    _add_prompt_args(gen, need_task=False)
+    _add_strategy_args(gen)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    bench = sub.add_parser("bench", help="compare decoding methods side by side on one task")
+    _add_model_args(bench)
+    _add_prompt_args(bench, need_task=True)
+    _add_strategy_args(bench)
+    bench.add_argument("--methods", default="hf,vanilla,sd", help="comma list of: hf, hf-assisted, vanilla, sd")
+    bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+    return parser
+
+
+def _strategy(args: argparse.Namespace) -> Any:
+    from search_spaces.strategy import PLAIN, Strategy
+
+    base = Strategy() if args.draft else PLAIN
+    changes = {k: v for k, v in (("draft_length", args.draft_length), ("draft_precision", args.draft_precision)) if v is not None}
+    if args.draft_vocab is not None:
+        changes["draft_vocab"] = args.draft_vocab or None  # 0 = the full head
+    return Strategy.from_dict({**base.to_dict(), **changes})
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, list[int]]]:
+    from studies import Prompt, load_prompts, render_prompt
+
+    if getattr(args, "prompt", None) is not None:
+        if args.task:
+            raise CliError("give either --prompt or --task, not both")
+        items = [Prompt(id="prompt", messages=(("user", args.prompt),), text=args.prompt)]
+    elif args.task:
+        items = load_prompts(args.task, args.data, args.limit, args.offset)
+    else:
+        raise CliError("nothing to generate: pass --prompt TEXT or --task NAME")
+    out = []
+    for item in items:
+        text = render_prompt(item, tokenizer)
+        templated = getattr(tokenizer, "chat_template", None) is not None and item.messages is not None
+        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+        out.append((item.id, list(ids)))
+    return out
+
+
+def _generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
+    from runtime.decoding import GenerationConfig
+    from runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=getattr(args, "temperature", 0.0), top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0)
+    )
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=getattr(args, "seed", 0), eos_token_ids=eos
+    )
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be at least 1, got {args.limit}")
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from runtime.pipeline import ModelPool, draft_load_dtype
+
+    strategy = _strategy(args)
+    pool = ModelPool(device=args.device)
+    target = pool.get(args.model, args.dtype)
+    if args.draft:
+        from runtime.loading import check_vocab_compatible
+
+        check_vocab_compatible(target, pool.get(args.draft, draft_load_dtype(strategy, args.device)))
+    return pool, target, strategy
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime.pipeline import build_decoder, eos_ids
+
+    _check_common(args)
+    pool, target, strategy = _load(args)
+    prompts = _prompts(args, target.tokenizer)
+    cfg = _generation_config(args, eos_ids(target))
+    decoder = build_decoder(pool, target, strategy, args.draft)
+    for pid, ids in prompts:
+        decoder.check_fits(len(ids), cfg)
+    for pid, ids in prompts:
+        result = decoder.generate(ids, cfg)
+        text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"id": pid, "text": text, "tokens": result.tokens, "stats": result.stats.as_dict()}))
+        else:
+            s = result.stats
+            print(text)
+            print(f"[{pid}] {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, alpha {s.acceptance_rate:.2f}, "
+                  f"M {s.mean_accepted:.2f}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from autotune.bench import BenchContext, format_table, parse_methods, run_bench, write_report
+    from runtime.pipeline import build_decoder, eos_ids
+
+    _check_common(args)
+    methods = parse_methods(args.methods)
+    pool, target, strategy = _load(args)
+    prompts = _prompts(args, target.tokenizer)
+    cfg = _generation_config(args, eos_ids(target))
+    from search_spaces.strategy import PLAIN
+
+    checker = build_decoder(pool, target, PLAIN, None)
+    for _, ids in prompts:
+        checker.check_fits(len(ids), cfg)
+    ctx = BenchContext(pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy)
+    report = run_bench(ctx, methods, [ids for _, ids in prompts], cfg)
+    report["config"] = {
+        "model": target.model_id, "draft": args.draft, "task": args.task, "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "strategy": strategy.to_dict(),
+        "threads": __import__("torch").get_num_threads(),
+    }
+    print(format_table(report))
+    if args.json_out:
+        write_report(report, args.json_out)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+}
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("autotune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The decode loop: prefill, then rounds of draft -> verify (one target forward) -> commit.
+
+With no drafter every round is a single-token target forward, i.e. plain decoding through the
+same code path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.drafters import Draft, Drafter
+from runtime.errors import RuntimeUserError
+from runtime.kv_cache import KVCache
+from runtime.sampling import SamplingParams, logits_to_probs, sample, verify_chain, verify_chain_greedy
+from runtime.stats import DecodeStats
+from runtime.transformer import CausalLM
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RuntimeUserError(
+                f"max_new_tokens={self.max_new_tokens!r} must be a positive integer"
+            )
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only (EOS included if produced)
+    stats: DecodeStats
+
+
+class Decoder:
+    """Greedy or sampled decoding of one target, optionally speculating with ``drafter``."""
+
+    def __init__(
+        self, target: CausalLM, drafter: Drafter | None = None, draft_length: int = 0, verify_width: int = 0
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.draft_length = draft_length if drafter is not None else 0
+        # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
+        self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
+
+    def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
+        limit = self.target.dims.max_positions
+        if prompt_len == 0:
+            raise RuntimeUserError("the prompt is empty; give at least one token of input")
+        if prompt_len + config.max_new_tokens > limit:
+            raise RuntimeUserError(
+                f"prompt ({prompt_len} tokens) + max-new-tokens ({config.max_new_tokens}) exceeds the "
+                f"model context of {limit} tokens; shorten the prompt or lower --max-new-tokens"
+            )
+
+    def generate(self, prompt: list[int], config: GenerationConfig) -> GenerationResult:
+        self.check_fits(len(prompt), config)
+        stats = DecodeStats()
+        gen = torch.Generator().manual_seed(config.seed)
+        capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
+        cache = self.target.new_cache(capacity)
+        eos = set(config.eos_token_ids)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.target(torch.tensor(prompt, device=self.target.device), cache, logits_for=slice(-1, None))
+            out = [self._pick(logits[0], config.sampling, gen)]
+            stats.prefill_s = time.perf_counter() - start
+            stats.target_forwards = 1
+            if self.drafter is not None:
+                self.drafter.begin(prompt + out, capacity)
+            while len(out) < config.max_new_tokens and out[-1] not in eos:
+                out.extend(self._round(out, cache, config, gen, stats))
+        out = _truncate(out, config.max_new_tokens, eos)
+        stats.wall_s = time.perf_counter() - start
+        stats.new_tokens = len(out)
+        return GenerationResult(out, stats)
+
+    def _round(
+        self, out: list[int], cache: KVCache, config: GenerationConfig, gen: torch.Generator, stats: DecodeStats
+    ) -> list[int]:
+        """One draft -> verify -> commit round; returns the tokens it appends (>= 1)."""
+        cur = out[-1]
+        k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
+        k = int(draft.tokens.numel())
+        t1 = time.perf_counter()
+        base = cache.length
+        ids = torch.cat([torch.tensor([cur]), draft.tokens])
+        if self.drafter is not None and ids.numel() < self.verify_width:  # pad rows: causal, discarded
+            ids = torch.cat([ids, ids[-1:].expand(self.verify_width - ids.numel())])
+        logits = self.target(ids.to(self.target.device), cache)[: k + 1].float()  # [k+1, V]
+        n_acc, nxt = self._verify(logits, draft, config.sampling, gen)
+        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; `nxt` is next round's input
+        new_tokens = draft.tokens[:n_acc].tolist() + [nxt]
+        if self.drafter is not None:
+            self.drafter.observe(n_acc, new_tokens)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.target_forwards += 1
+        if k:
+            stats.record_round(k, n_acc)
+        return new_tokens
+
+    @staticmethod
+    def _verify(
+        logits: torch.Tensor, draft: Draft, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[int, int]:
+        if params.greedy:
+            return verify_chain_greedy(logits.argmax(dim=-1), draft.tokens)
+        p = logits_to_probs(logits, params)
+        return verify_chain(p, draft.q, draft.tokens, gen)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+        if params.greedy:
+            return int(logits.argmax())
+        return int(sample(logits_to_probs(logits.float(), params), gen))
+
+
+def _no_draft() -> Draft:
+    return Draft(torch.empty(0, dtype=torch.long), None)
+
+
+def _truncate(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:limit]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,108 @@
+"""Build decoders from a Strategy: load (and cache) models, wrap them, pick the drafter."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.decoding import Decoder
+from runtime.drafters import Drafter, ModelDrafter
+from runtime.errors import RuntimeUserError
+from runtime.linear import mkl_packing_available
+from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype
+from runtime.transformer import CausalLM
+from search_spaces.strategy import Strategy
+
+
+@dataclass
+class ModelPool:
+    """Loads each (model, dtype) once and keeps it; strategies swap without reloading."""
+
+    device: str = "cpu"
+    _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
+
+    def get(self, name: str, dtype: str | torch.dtype) -> LoadedModel:
+        torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        key = (name, torch_dtype)
+        if key not in self._models:
+            self._models[key] = load_model(name, torch_dtype, self.device)
+        return self._models[key]
+
+
+DrafterFactory = Callable[[ModelPool, LoadedModel, "str | None", Strategy, CausalLM], "Drafter | None"]
+
+
+def _no_drafter(pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM) -> None:
+    return None
+
+
+def _model_drafter(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM
+) -> Drafter:
+    if draft_name is None:
+        raise RuntimeUserError("strategy drafter 'draft-model' needs a draft model; pass --draft MODEL")
+    precision = resolve_precision(s.draft_precision, pool.device)
+    draft = pool.get(draft_name, PRECISION_LOAD_DTYPE[precision])
+    check_vocab_compatible(target, draft)
+    draft_lm = CausalLM(draft.hf_model)
+    draft_lm.restrict_head(min(s.draft_vocab or draft_lm.dims.vocab, lm.dims.vocab, draft_lm.dims.vocab))
+    draft_lm.use_linear_backend(PRECISION_BACKEND[precision])
+    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab)
+
+
+# draft precision -> (dtype the weights are loaded in, linear backend that runs them)
+PRECISION_LOAD_DTYPE: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32,
+}
+PRECISION_BACKEND: dict[str, str] = {"float32": "dense", "bfloat16": "dense", "int8": "int8"}
+AUTO_PRECISION: dict[str, str] = {"cpu": "int8", "cuda": "bfloat16", "mps": "bfloat16"}
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``auto`` -> the measured best draft precision for the device kind."""
+    if precision != "auto":
+        return precision
+    kind = torch.device(device).type
+    if kind not in AUTO_PRECISION:
+        raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
+    return AUTO_PRECISION[kind]
+
+
+def draft_load_dtype(strategy: Strategy, device: str) -> torch.dtype:
+    return PRECISION_LOAD_DTYPE[resolve_precision(strategy.draft_precision, device)]
+
+
+def verify_backend(device: str) -> str:
+    """On CPU, pack the target's float32 weights for the verify width (see runtime.linear)."""
+    return "mkl-packed" if torch.device(device).type == "cpu" and mkl_packing_available() else "dense"
+
+
+DRAFTERS: dict[str, DrafterFactory] = {
+    "none": _no_drafter,
+    "draft-model": _model_drafter,
+}
+
+
+def build_decoder(
+    pool: ModelPool, target: LoadedModel, strategy: Strategy, draft_name: str | None = None
+) -> Decoder:
+    lm = CausalLM(target.hf_model)
+    drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
+    if drafter is None:
+        return Decoder(lm)
+    width = strategy.draft_length + 1
+    backend = verify_backend(pool.device)
+    if backend != "dense" and lm.dtype == torch.float32:
+        lm.use_linear_backend(backend, width)
+    return Decoder(lm, drafter, strategy.draft_length, verify_width=width)
+
+
+def eos_ids(model: LoadedModel) -> tuple[int, ...]:
+    """EOS ids exactly as HF ``generate`` uses them (generation_config first, then tokenizer)."""
+    eos = getattr(model.hf_model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,252 @@
+"""Our own forward pass over a loaded HF decoder's modules (llama / qwen2 families).
+
+We own the layer loop, RoPE, attention (SDPA with an explicit mask) and the KV cache; the HF
+modules only provide weights (embeddings, norms, q/k/v/o projections, MLP, final norm, lm_head).
+Batch size is 1 throughout: hidden states are ``[T, H]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from runtime.errors import RuntimeUserError
+from runtime.kv_cache import KVCache
+from runtime.linear import Linear, make_linear
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to find the decoder parts inside an HF model of one architecture family."""
+
+    layers_attr: str = "model.layers"
+    embed_attr: str = "model.embed_tokens"
+    norm_attr: str = "model.norm"
+    rotary_attr: str = "model.rotary_emb"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "qwen2": Family(),
+    "mistral": Family(),
+}
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    max_positions: int
+
+
+class RotaryTable:
+    """cos/sin tables for positions ``[0, capacity)``, grown on demand (``[P, D]`` each)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> None:
+        self.inv_freq = inv_freq.detach().float().cpu()
+        self.scaling = scaling
+        self.dtype = dtype
+        self.cos = torch.empty(0)
+        self.sin = torch.empty(0)
+
+    def ensure(self, capacity: int, device: torch.device) -> None:
+        if self.cos.shape[0] >= capacity:
+            return
+        pos = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = (emb.cos() * self.scaling).to(device=device, dtype=self.dtype)
+        self.sin = (emb.sin() * self.scaling).to(device=device, dtype=self.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]  # [T, D] each
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[H, T, D]``; cos/sin ``[T, D]``."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class CausalLM:
+    """A decoder-only LM executed by our own layer loop over the HF module tree."""
+
+    def __init__(self, hf_model: Any) -> None:
+        cfg = hf_model.config
+        family = FAMILIES.get(cfg.model_type)
+        if family is None:
+            raise RuntimeUserError(
+                f"unsupported model family '{cfg.model_type}'; supported: {', '.join(sorted(FAMILIES))}"
+            )
+        self.hf_model = hf_model
+        self.config = cfg
+        self.layers = list(_get(hf_model, family.layers_attr))
+        self.embed = _get(hf_model, family.embed_attr)
+        self.norm = _get(hf_model, family.norm_attr)
+        self.lm_head = hf_model.lm_head
+        rotary = _get(hf_model, family.rotary_attr)
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        self.dims = ModelDims(
+            n_layers=len(self.layers),
+            n_heads=n_heads,
+            n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            hidden=cfg.hidden_size,
+            vocab=self.lm_head.weight.shape[0],
+            max_positions=cfg.max_position_embeddings,
+        )
+        self.dtype = self.lm_head.weight.dtype
+        self.device = self.lm_head.weight.device
+        self.rope = RotaryTable(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.dtype)
+        self.scale = head_dim**-0.5
+        self.head_rows: int | None = None  # restrict the output head to ids [0, head_rows)
+        self.backend, self.width = "dense", 1
+        self.linears: list[dict[str, Linear]] = []
+        self.head: Linear = self._build_head()
+        self.use_linear_backend("dense")
+
+    def use_linear_backend(self, backend: str, width: int = 1) -> None:
+        """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
+        self.backend, self.width = backend, width
+        self.linears = [
+            {name: make_linear(backend, mod.weight, mod.bias, width) for name, mod in _projections(layer)}
+            for layer in self.layers
+        ]
+        self.head = self._build_head()
+
+    def _build_head(self) -> Linear:
+        w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        if self.head_rows is not None:
+            w = w[: self.head_rows].contiguous()
+            b = None if b is None else b[: self.head_rows].contiguous()
+        return make_linear(self.backend, w, b, self.width)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        self.rope.ensure(capacity + 1, self.device)
+        d = self.dims
+        return KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)
+
+    def restrict_head(self, n_tokens: int | None) -> None:
+        """Compute logits only for token ids ``[0, n_tokens)`` (BPE ids are roughly ordered by
+        frequency). Only for drafts: the target's head must stay whole for lossless verification."""
+        full = self.lm_head.weight.shape[0]
+        self.head_rows = None if n_tokens is None or n_tokens >= full else n_tokens
+        self.head = self._build_head()
+
+    # ------------------------------------------------------------------ forward
+    def attention(
+        self,
+        lin: dict[str, Linear],
+        x: torch.Tensor,  # [T, H] (already normed)
+        li: int,
+        cache: KVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,  # [T, S] bool, True = attend; None = attend to all
+        causal: bool,
+    ) -> torch.Tensor:
+        d = self.dims
+        t = x.shape[0]
+        q = lin["q"](x).view(t, d.n_heads, d.head_dim).transpose(0, 1)  # [H, T, D]
+        k = lin["k"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, T, D]
+        v = lin["v"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(li, k, v)  # [Hkv, S, D]
+        out = sdpa(q, keys, values, mask, causal, self.scale)  # [H, T, D]
+        return lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
+
+    def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return lin["down"](layer.mlp.act_fn(lin["gate"](x)) * lin["up"](x))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] long
+        cache: KVCache,
+        positions: torch.Tensor | None = None,  # [T] rope positions; default cache.length + arange
+        mask: torch.Tensor | None = None,  # [T, cache.length + T] bool; default causal
+        logits_for: slice | torch.Tensor | None = None,  # which rows get logits; None = all
+    ) -> torch.Tensor:
+        """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``."""
+        t = tokens.shape[0]
+        start = cache.length
+        cache.check_room(t)
+        if positions is None:
+            positions = torch.arange(start, start + t, device=self.device)
+        self.rope.ensure(int(positions.max()) + 1, self.device)
+        cos, sin = self.rope.lookup(positions)
+        causal = mask is None and t > 1
+        if causal and start > 0:
+            mask = causal_mask(start, t, self.device)
+            causal = False
+        h = self.embed(tokens)  # [T, H]
+        for li, layer in enumerate(self.layers):
+            lin = self.linears[li]
+            h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, mask, causal)
+            h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
+        cache.advance(t)
+        if logits_for is not None:
+            h = h[logits_for]
+        return self.head(self.norm(h))
+
+    __call__ = forward
+
+
+def _projections(layer: Any) -> list[tuple[str, Any]]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+        ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj),
+    ]
+
+
+def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[T, start + T]`` bool: query i (at slot start+i) sees slots ``<= start + i``."""
+    cols = torch.arange(start + t, device=device)
+    rows = torch.arange(start, start + t, device=device)
+    return cols[None, :] <= rows[:, None]
+
+
+def sdpa(
+    q: torch.Tensor,  # [H, T, D]
+    k: torch.Tensor,  # [Hkv, S, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # [T, S] bool
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``."""
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    rep = h // hkv
+    if rep == 1 or causal:
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=0)
+            v = v.repeat_interleave(rep, dim=0)
+        return F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
+            is_causal=causal, scale=scale,
+        )[0]
+    # pack the query heads sharing a K/V head: [Hkv, rep*T, D]; the mask repeats per head
+    qp = q.reshape(hkv, rep * t, d)
+    mp = None if mask is None else mask.repeat(rep, 1)  # [rep*T, S]
+    out = F.scaled_dot_product_attention(
+        qp[None], k[None], v[None], attn_mask=None if mp is None else mp[None, None], scale=scale
+    )[0]
+    return out.reshape(h, t, d)
