@@ -79,8 +79,6 @@ class Strategy:
         return cls.from_dict(data)
 
 
-PLAIN = Strategy(drafter="none")
-
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
@@ -90,3 +88,6 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise StrategyError(f"{name}={value!r} is out of range; allowed integers {lo}..{hi}")
+
+
+PLAIN = Strategy(drafter="none")  # plain decoding: a point of every search space
