@@ -73,17 +73,22 @@ def _strategy(args: argparse.Namespace) -> Any:
     return Strategy.from_dict({**base.to_dict(), **changes})
 
 
-def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, list[int]]]:
-    from studies import Prompt, load_prompts, render_prompt
+def _prompt_items(args: argparse.Namespace) -> list[Any]:
+    """The prompts to run (read before any model loads, so bad task input fails fast)."""
+    from studies import Prompt, load_prompts
 
     if getattr(args, "prompt", None) is not None:
         if args.task:
             raise CliError("give either --prompt or --task, not both")
-        items = [Prompt(id="prompt", messages=(("user", args.prompt),), text=args.prompt)]
-    elif args.task:
-        items = load_prompts(args.task, args.data, args.limit, args.offset)
-    else:
-        raise CliError("nothing to generate: pass --prompt TEXT or --task NAME")
+        return [Prompt(id="prompt", messages=(("user", args.prompt),), text=args.prompt)]
+    if args.task:
+        return load_prompts(args.task, args.data, args.limit, args.offset)
+    raise CliError("nothing to generate: pass --prompt TEXT or --task NAME")
+
+
+def _tokenize(items: list[Any], tokenizer: Any) -> list[tuple[str, list[int]]]:
+    from studies import render_prompt
+
     out = []
     for item in items:
         text = render_prompt(item, tokenizer)
@@ -97,9 +102,13 @@ def _generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
     from runtime.decoding import GenerationConfig
     from runtime.sampling import SamplingParams
 
-    sampling = SamplingParams(
-        temperature=getattr(args, "temperature", 0.0), top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0)
-    )
+    try:
+        sampling = SamplingParams(
+            temperature=getattr(args, "temperature", 0.0), top_k=getattr(args, "top_k", 0),
+            top_p=getattr(args, "top_p", 1.0),
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens, sampling=sampling, seed=getattr(args, "seed", 0), eos_token_ids=eos
     )
@@ -129,8 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.pipeline import build_decoder, eos_ids
 
     _check_common(args)
+    _generation_config(args, ())  # validate sampling flags before loading anything
+    items = _prompt_items(args)
     pool, target, strategy = _load(args)
-    prompts = _prompts(args, target.tokenizer)
+    prompts = _tokenize(items, target.tokenizer)
     cfg = _generation_config(args, eos_ids(target))
     decoder = build_decoder(pool, target, strategy, args.draft)
     for pid, ids in prompts:
@@ -154,8 +165,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     _check_common(args)
     methods = parse_methods(args.methods)
+    items = _prompt_items(args)
     pool, target, strategy = _load(args)
-    prompts = _prompts(args, target.tokenizer)
+    prompts = _tokenize(items, target.tokenizer)
     cfg = _generation_config(args, eos_ids(target))
     from search_spaces.strategy import PLAIN
 

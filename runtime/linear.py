@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Protocol
 
@@ -49,9 +50,11 @@ class Int8DynamicLinear:
 
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        qweight = torch.quantize_per_channel(
-            w, scale.double(), torch.zeros_like(scale, dtype=torch.long), axis=0, dtype=torch.qint8
-        )
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; pinned torch has them
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(
+                w, scale.double(), torch.zeros_like(scale, dtype=torch.long), axis=0, dtype=torch.qint8
+            )
         self.module = QLinear(w.shape[1], w.shape[0], bias_=bias is not None, dtype=torch.qint8)
         self.module.set_weight_bias(qweight, None if bias is None else bias.detach().float())
 

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random-weight models (fast unit tier) and real packaged models (slow tier)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def tiny_model(family: str, seed: int, vocab: int = 96, layers: int = 3) -> torch.nn.Module:
+    """A randomly initialised llama/qwen2 causal LM small enough for thousands of forwards."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    # sharpen the random logits so greedy paths are not near-ties and drafts sometimes agree
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> torch.nn.Module:
+    return tiny_model("llama", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> torch.nn.Module:
+    return tiny_model("qwen2", 1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_dir() -> None:
+    os.environ.setdefault("AUTOTUNE_DATA_DIR", str(SHARED_DATA))
+
+
+@pytest.fixture(scope="session")
+def pool():
+    from runtime.pipeline import ModelPool
+
+    return ModelPool()
+
+
+@pytest.fixture(scope="session")
+def smollm(pool):
+    return pool.get("smollm2-135m", "float32")
