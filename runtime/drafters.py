@@ -35,13 +35,16 @@ class ModelDrafter:
     drafts were accepted).
     """
 
-    def __init__(self, model: CausalLM, target_vocab: int) -> None:
+    def __init__(self, model: CausalLM, target_vocab: int, confidence_threshold: float = 0.0) -> None:
         self.model = model
         self.target_vocab = target_vocab
+        # SWIFT-style early stop: end the chain once the draft's top-1 probability falls below this
+        self.confidence_threshold = confidence_threshold
         self.cache = model.new_cache(1)
         self.pending: list[int] = []
         self.base = 0
-        self.k = 0
+        self.k = 0  # tokens drafted this round
+        self.fed = 0  # of those, how many are in the draft cache
 
     def begin(self, prompt: list[int], capacity: int) -> None:
         self.cache = self.model.new_cache(capacity)
@@ -52,7 +55,7 @@ class ModelDrafter:
         return self.model(ids, self.cache, logits_for=slice(-1, None))[0].float()  # [V_draft]
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        self.k = k
+        self.k = self.fed = 0
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None)
         logits = self._step(self.pending)
@@ -61,6 +64,8 @@ class ModelDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
+            if i > 0 and self._unsure(logits):
+                break
             if params.greedy:
                 tok = int(logits.argmax())
             else:
@@ -70,14 +75,21 @@ class ModelDrafter:
             tokens.append(tok)
             if i + 1 < k:
                 logits = self._step([tok])
+                self.fed += 1
+        self.k = len(tokens)
         q_all = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
         return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
+
+    def _unsure(self, logits: torch.Tensor) -> bool:
+        if self.confidence_threshold <= 0.0:
+            return False
+        return float(torch.softmax(logits, dim=-1).max()) < self.confidence_threshold
 
     def observe(self, n_accepted: int, new_tokens: list[int]) -> None:
         if self.k == 0:
             self.pending.extend(new_tokens)
             return
-        kept = min(n_accepted, self.k - 1)  # drafts d1..d_{k-1} were run through the draft
+        kept = min(n_accepted, self.fed)  # accepted drafts whose K/V the draft cache already holds
         self.cache.rollback(self.base + kept)
         self.pending = list(new_tokens[kept:])
 

@@ -48,7 +48,7 @@ def _model_drafter(
     draft_lm = CausalLM(draft.hf_model)
     draft_lm.restrict_head(min(s.draft_vocab or draft_lm.dims.vocab, lm.dims.vocab, draft_lm.dims.vocab))
     draft_lm.use_linear_backend(PRECISION_BACKEND[precision])
-    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab)
+    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab, confidence_threshold=s.confidence_threshold)
 
 
 # draft precision -> (dtype the weights are loaded in, linear backend that runs them)

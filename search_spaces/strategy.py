@@ -29,14 +29,17 @@ class Strategy:
     - ``draft_precision``: arithmetic of the draft (``auto`` = int8 on CPU, bfloat16 on GPU). Only
       the target must be exact, so a low-precision draft stays lossless: the target verifies
       every token.
+    - ``confidence_threshold``: stop a draft chain early once the draft's top-1 probability
+      falls below this (SWIFT's confidence-aware drafting); 0 disables.
     - ``draft_vocab``: restrict the draft's output head to token ids ``[0, draft_vocab)`` (BPE ids
       are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way.
     """
 
     drafter: str = "draft-model"
-    draft_length: int = 5
+    draft_length: int = 10
     draft_precision: str = "auto"
     draft_vocab: int | None = 32768
+    confidence_threshold: float = 0.6
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -45,6 +48,7 @@ class Strategy:
         _check_int("draft_length", self.draft_length, 1, MAX_DRAFT_LENGTH)
         if self.draft_vocab is not None:
             _check_int("draft_vocab", self.draft_vocab, 1, 10**7)
+        _check_float("confidence_threshold", self.confidence_threshold, 0.0, 1.0)
         if self.schema_version != SCHEMA_VERSION:
             raise StrategyError(
                 f"schema_version={self.schema_version!r} is not supported (this build reads {SCHEMA_VERSION})"
@@ -83,6 +87,11 @@ class Strategy:
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise StrategyError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise StrategyError(f"{name}={value!r} is out of range; allowed numbers {lo}..{hi}")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:

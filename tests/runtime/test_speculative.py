@@ -18,13 +18,14 @@ PROMPT = [5, 17, 3, 88, 42, 7]
 
 
 def spec_decoder(target, draft, k: int, draft_backend: str = "dense", head: int | None = None,
-                 verify_backend: str = "dense") -> Decoder:
+                 verify_backend: str = "dense", threshold: float = 0.0) -> Decoder:
     t, d = CausalLM(target), CausalLM(draft)
     d.restrict_head(head)
     d.use_linear_backend(draft_backend)
     if verify_backend != "dense":
         t.use_linear_backend(verify_backend, k + 1)
-    return Decoder(t, ModelDrafter(d, target_vocab=t.dims.vocab), k, verify_width=k + 1)
+    drafter = ModelDrafter(d, target_vocab=t.dims.vocab, confidence_threshold=threshold)
+    return Decoder(t, drafter, k, verify_width=k + 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -38,6 +39,16 @@ def test_greedy_spec_equals_plain(family, k, draft_backend, head):
     assert spec.tokens == plain.tokens
     assert spec.stats.new_tokens == 40
     assert 0.0 <= spec.stats.acceptance_rate <= 1.0
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.9])
+def test_confidence_early_stop_stays_lossless(tiny_llama, threshold):
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = Decoder(CausalLM(tiny_llama)).generate(PROMPT, cfg)
+    for draft in (tiny_llama, tiny_model("llama", 13, layers=1)):
+        spec = spec_decoder(tiny_llama, draft, 6, threshold=threshold).generate(PROMPT, cfg)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.drafted < 6 * (spec.stats.target_forwards - 1)  # some chains stopped early
 
 
 @pytest.mark.parametrize("k", [2, 5])
@@ -96,7 +107,7 @@ def test_spec_sampling_reproduces_target_distribution(params):
     target = tiny_model("llama", 20, vocab=V)
     draft = tiny_model("llama", 21, vocab=V, layers=1)
     exact = _exact_pair_distribution(target, params)
-    decoder = spec_decoder(target, draft, 2)
+    decoder = spec_decoder(target, draft, 2, threshold=0.3)
     n = 1500
     counts = {cell: 0 for cell in itertools.product(range(V), repeat=2)}
     drafted = 0
