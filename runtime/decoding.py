@@ -16,6 +16,8 @@ from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, logits_to_probs, sample, verify_chain, verify_chain_greedy
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
+from runtime.tree import compile_tree, verify_mask
+from runtime.tree_verify import verify_tree, verify_tree_greedy
 
 
 @dataclass(frozen=True)
@@ -86,38 +88,68 @@ class Decoder:
         self, out: list[int], cache: KVCache, config: GenerationConfig, gen: torch.Generator, stats: DecodeStats
     ) -> list[int]:
         """One draft -> verify -> commit round; returns the tokens it appends (>= 1)."""
-        cur = out[-1]
         k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
         t0 = time.perf_counter()
         draft = self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
-        k = int(draft.tokens.numel())
         t1 = time.perf_counter()
-        base = cache.length
-        ids = torch.cat([torch.tensor([cur]), draft.tokens])
-        if self.drafter is not None and ids.numel() < self.verify_width:  # pad rows: causal, discarded
-            ids = torch.cat([ids, ids[-1:].expand(self.verify_width - ids.numel())])
-        logits = self.target(ids.to(self.target.device), cache)[: k + 1].float()  # [k+1, V]
-        n_acc, nxt = self._verify(logits, draft, config.sampling, gen)
-        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; `nxt` is next round's input
-        new_tokens = draft.tokens[:n_acc].tolist() + [nxt]
+        if draft.is_chain:
+            path, nxt = self._verify_chain(out[-1], draft, cache, config.sampling, gen)
+        else:
+            path, nxt = self._verify_tree(out[-1], draft, cache, config.sampling, gen)
+        tokens = draft.tokens.tolist()
+        new_tokens = [tokens[i] for i in path] + [nxt]
         if self.drafter is not None:
-            self.drafter.observe(n_acc, new_tokens)
+            if draft.is_chain:
+                self.drafter.observe(len(path), new_tokens)
+            else:
+                self.drafter.observe(len(path), new_tokens, path)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        if k:
-            stats.record_round(k, n_acc)
+        if tokens:
+            depth = len(tokens) if draft.is_chain else compile_tree(draft.parents).max_depth
+            stats.record_round(len(tokens), len(path), depth)
         return new_tokens
 
-    @staticmethod
-    def _verify(
-        logits: torch.Tensor, draft: Draft, params: SamplingParams, gen: torch.Generator
-    ) -> tuple[int, int]:
+    def _padded(self, ids: torch.Tensor) -> torch.Tensor:
+        """Pad the verify rows to the fixed verify width (cheap packed GEMMs); pads are discarded."""
+        if self.drafter is None or ids.numel() >= self.verify_width:
+            return ids
+        return torch.cat([ids, ids[-1:].expand(self.verify_width - ids.numel())])
+
+    def _verify_chain(
+        self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[list[int], int]:
+        k = int(draft.tokens.numel())
+        base = cache.length
+        ids = self._padded(torch.cat([torch.tensor([cur]), draft.tokens]))
+        logits = self.target(ids.to(self.target.device), cache)[: k + 1].float()  # [k+1, V]
         if params.greedy:
-            return verify_chain_greedy(logits.argmax(dim=-1), draft.tokens)
-        p = logits_to_probs(logits, params)
-        return verify_chain(p, draft.q, draft.tokens, gen)
+            n_acc, nxt = verify_chain_greedy(logits.argmax(dim=-1), draft.tokens)
+        else:
+            n_acc, nxt = verify_chain(logits_to_probs(logits, params), draft.q, draft.tokens, gen)
+        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; `nxt` is next round's input
+        return list(range(n_acc)), nxt
+
+    def _verify_tree(
+        self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
+    ) -> tuple[list[int], int]:
+        assert draft.parents is not None
+        tree = compile_tree(draft.parents)
+        base = cache.length
+        ids = self._padded(torch.cat([torch.tensor([cur]), draft.tokens]))
+        pad = ids.numel() - tree.size - 1
+        dev = self.target.device
+        positions = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth, torch.zeros(pad, dtype=torch.long)]) + base
+        mask = verify_mask(tree, base, pad).to(dev)
+        logits = self.target(ids.to(dev), cache, positions=positions.to(dev), mask=mask)[: tree.size + 1].float()
+        if params.greedy:
+            path, nxt = verify_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
+        else:
+            path, nxt = verify_tree(logits_to_probs(logits, params), tree, draft.tokens, draft.q, gen)
+        cache.commit(base + 1, path)  # cur stays at `base`; the accepted path follows contiguously
+        return path, nxt
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -127,7 +159,7 @@ class Decoder:
 
 
 def _no_draft() -> Draft:
-    return Draft(torch.empty(0, dtype=torch.long), None)
+    return Draft(torch.empty(0, dtype=torch.long), None)  # plain decoding: verify `cur` alone
 
 
 def _truncate(tokens: list[int], limit: int, eos: set[int]) -> list[int]:

@@ -1,97 +1,197 @@
 """Drafters propose tokens; the target verifies them (HF candidate-generator style protocol)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from runtime.sampling import SamplingParams, logits_to_probs, sample
+from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
 
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [k] long
-    q: torch.Tensor | None  # [k, V] draft distributions each token was drawn from; None = deterministic
+    """Draft tokens as a tree: node i has parent ``parents[i]`` (-1 = the last committed token).
+    ``parents=None`` means a chain. ``q[i]`` is the distribution node i was drawn from; ``q=None``
+    means deterministic proposals (verified as one-hot)."""
+
+    tokens: torch.Tensor  # [N] long
+    q: torch.Tensor | None  # [N, V]
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or all(p == i - 1 for i, p in enumerate(self.parents))
 
 
 class Drafter(Protocol):
-    """``begin`` once per prompt, then per round ``propose`` k tokens and ``observe`` the outcome."""
+    """``begin`` once per prompt, then per round ``propose`` and ``observe`` the outcome:
+    ``path`` lists the accepted node indices (for chains, ``range(n_accepted)``) and
+    ``new_tokens`` are the tokens appended to the sequence (accepted drafts + the next token)."""
 
     def begin(self, prompt: list[int], capacity: int) -> None: ...
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
 
-    def observe(self, n_accepted: int, new_tokens: list[int]) -> None: ...
+    def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How many children each node gets.
+
+    ``widths[d]``: children per node at depth ``d`` (all of them expanded further); its length is
+    the maximum depth. ``dynamic``: SWIFT's dynamic verification table ``((p_max, k), ...)``; when
+    set, a node whose draft top-1 probability is ``<= p_max`` gets the top-``k`` candidates, and only
+    the top-1 child is drafted further (a chain with alternatives). ``threshold``: a node whose draft
+    top-1 probability is below it gets no children (confidence-aware early stop; depth >= 1)."""
+
+    widths: tuple[int, ...]
+    dynamic: tuple[tuple[float, int], ...] | None = None
+    threshold: float = 0.0
+
+    def children(self, depth: int, confidence: float) -> tuple[int, int]:
+        """-> (number of children, how many of them are expanded at the next depth)."""
+        if depth > 0 and confidence < self.threshold:
+            return 0, 0
+        if self.dynamic is not None:
+            k = next((k for p_max, k in self.dynamic if confidence <= p_max), self.dynamic[-1][1])
+            return k, 1
+        w = self.widths[depth]
+        return w, w
+
+    def max_nodes(self) -> int:
+        if self.dynamic is not None:
+            return len(self.widths) * max(k for _, k in self.dynamic)
+        total, level = 0, 1
+        for w in self.widths:
+            level *= w
+            total += level
+        return total
+
+
+@dataclass
+class _Round:
+    """Book-keeping of one drafted tree in the draft's cache."""
+
+    base: int = 0  # draft cache length before the tree's rows
+    slot: dict[int, int] = field(default_factory=dict)  # node -> row offset in the draft cache
 
 
 class ModelDrafter:
-    """Chain drafts from a smaller model of the same family, with its own KV cache.
+    """Drafts a chain or a token tree with a smaller model of the same family (own KV cache).
 
-    The cache holds a prefix of the committed sequence; ``pending`` are committed tokens not yet
-    run through the draft (normally the target's last token, plus the last draft token when all
-    drafts were accepted).
+    Each depth is one draft forward over all frontier nodes with a tree attention mask. The cache
+    holds a prefix of the committed sequence plus this round's drafted rows; ``pending`` are
+    committed tokens the draft has not seen yet.
     """
 
-    def __init__(self, model: CausalLM, target_vocab: int, confidence_threshold: float = 0.0) -> None:
+    def __init__(self, model: CausalLM, target_vocab: int, shape: TreeShape | None = None) -> None:
         self.model = model
         self.target_vocab = target_vocab
-        # SWIFT-style early stop: end the chain once the draft's top-1 probability falls below this
-        self.confidence_threshold = confidence_threshold
+        self.shape = shape
         self.cache = model.new_cache(1)
         self.pending: list[int] = []
-        self.base = 0
-        self.k = 0  # tokens drafted this round
-        self.fed = 0  # of those, how many are in the draft cache
+        self.round = _Round()
 
     def begin(self, prompt: list[int], capacity: int) -> None:
-        self.cache = self.model.new_cache(capacity)
+        extra = self.shape.max_nodes() if self.shape else 0
+        self.cache = self.model.new_cache(capacity + extra)
         self.pending = list(prompt)
 
-    def _step(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.model.device)
-        return self.model(ids, self.cache, logits_for=slice(-1, None))[0].float()  # [V_draft]
-
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        self.k = self.fed = 0
+        """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
+        self.round = _Round()
         if k == 0:
-            return Draft(torch.empty(0, dtype=torch.long), None)
-        logits = self._step(self.pending)
-        self.base = self.cache.length
+            return Draft(torch.empty(0, dtype=torch.long), None, ())
+        ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
+        logits = self.model(ids, self.cache, logits_for=slice(-1, None)).float()  # [1, Vd]
         self.pending = []
+        self.round.base = self.cache.length
+        shape = self.shape or TreeShape(widths=(1,) * k)
         tokens: list[int] = []
+        parents: list[int] = []
         qs: list[torch.Tensor] = []
-        for i in range(k):
-            if i > 0 and self._unsure(logits):
+        frontier = [-1]  # nodes whose children are drafted from `logits` rows
+        for depth in range(min(k, len(shape.widths))):
+            expand = self._add_children(frontier, logits, depth, shape, params, generator, tokens, parents, qs)
+            if not expand or depth + 1 == min(k, len(shape.widths)):
                 break
+            logits = self._forward_frontier(expand, tokens, parents)
+            frontier = expand
+        q = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
+        return Draft(torch.tensor(tokens, dtype=torch.long), q, tuple(parents))
+
+    def _add_children(
+        self, frontier: list[int], logits: torch.Tensor, depth: int, shape: TreeShape,
+        params: SamplingParams, gen: torch.Generator, tokens: list[int], parents: list[int], qs: list[torch.Tensor],
+    ) -> list[int]:
+        """Append the children of every frontier node; return the nodes to expand next."""
+        expand: list[int] = []
+        probs = torch.softmax(logits, dim=-1)  # [F, Vd]
+        for row, node in enumerate(frontier):
+            n_children, n_expand = shape.children(depth, float(probs[row].max()))
+            if n_children == 0:
+                continue
             if params.greedy:
-                tok = int(logits.argmax())
+                picked = torch.topk(logits[row], n_children).indices.tolist()
             else:
-                q = logits_to_probs(logits, params)
-                tok = int(sample(q, generator))
-                qs.append(q)
-            tokens.append(tok)
-            if i + 1 < k:
-                logits = self._step([tok])
-                self.fed += 1
-        self.k = len(tokens)
-        q_all = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long), q_all)
+                q = logits_to_probs(logits[row], params)
+                picked = torch.multinomial(q, n_children, replacement=True, generator=gen).tolist()
+                qs.extend([q] * n_children)
+            for j, tok in enumerate(picked):
+                if j < n_expand:
+                    expand.append(len(tokens))
+                tokens.append(tok)
+                parents.append(node)
+        return expand
 
-    def _unsure(self, logits: torch.Tensor) -> bool:
-        if self.confidence_threshold <= 0.0:
-            return False
-        return float(torch.softmax(logits, dim=-1).max()) < self.confidence_threshold
+    def _forward_frontier(self, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Run frontier nodes through the draft in one forward; each sees the prefix + ancestors."""
+        rnd = self.round
+        start = self.cache.length
+        depth_of = {n: _depth(n, parents) for n in nodes}
+        positions = torch.tensor([rnd.base - 1 + depth_of[n] for n in nodes], device=self.model.device)
+        chain = len(nodes) == 1 and len(rnd.slot) == depth_of[nodes[0]] - 1
+        mask = None
+        if not chain:
+            mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=self.model.device)
+            mask[:, : rnd.base] = True
+            for r, n in enumerate(nodes):
+                mask[r, start + r] = True
+                a = parents[n]
+                while a >= 0:
+                    mask[r, rnd.base + rnd.slot[a]] = True
+                    a = parents[a]
+        for r, n in enumerate(nodes):
+            rnd.slot[n] = start - rnd.base + r
+        ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
+        return self.model(ids, self.cache, positions=positions, mask=mask).float()  # [F, Vd]
 
-    def observe(self, n_accepted: int, new_tokens: list[int]) -> None:
-        if self.k == 0:
+    def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
+        if path is None:
+            path = list(range(n_accepted))
+        rnd = self.round
+        if not rnd.slot and rnd.base == 0:  # nothing drafted this round
             self.pending.extend(new_tokens)
             return
-        kept = min(n_accepted, self.fed)  # accepted drafts whose K/V the draft cache already holds
-        self.cache.rollback(self.base + kept)
-        self.pending = list(new_tokens[kept:])
+        kept = []
+        for node in path:  # accepted nodes the draft already ran, in order (a prefix of `path`)
+            if node not in rnd.slot:
+                break
+            kept.append(rnd.slot[node])
+        self.cache.commit(rnd.base, kept)
+        self.pending = list(new_tokens[len(kept):])
+
+
+def _depth(node: int, parents: list[int]) -> int:
+    d = 0
+    while node >= 0:
+        node = parents[node]
+        d += 1
+    return d
 
 
 def _pad_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:

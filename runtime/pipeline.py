@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.decoding import Decoder
-from runtime.drafters import Drafter, ModelDrafter
+from runtime.drafters import Drafter, ModelDrafter, TreeShape
 from runtime.errors import RuntimeUserError
 from runtime.linear import mkl_packing_available
 from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype
@@ -48,7 +48,12 @@ def _model_drafter(
     draft_lm = CausalLM(draft.hf_model)
     draft_lm.restrict_head(min(s.draft_vocab or draft_lm.dims.vocab, lm.dims.vocab, draft_lm.dims.vocab))
     draft_lm.use_linear_backend(PRECISION_BACKEND[precision])
-    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab, confidence_threshold=s.confidence_threshold)
+    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s))
+
+
+def tree_shape(s: Strategy) -> TreeShape:
+    widths = s.tree_widths or (1,) * s.draft_length
+    return TreeShape(widths=widths, dynamic=s.dynamic_widths, threshold=s.confidence_threshold)
 
 
 # draft precision -> (dtype the weights are loaded in, linear backend that runs them)
@@ -91,7 +96,7 @@ def build_decoder(
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
     if drafter is None:
         return Decoder(lm)
-    width = strategy.draft_length + 1
+    width = strategy.max_tree_nodes + 1
     backend = verify_backend(pool.device)
     if backend != "dense" and lm.dtype == torch.float32:
         lm.use_linear_backend(backend, width)

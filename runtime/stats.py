@@ -17,15 +17,18 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0  # including the prefill
+    draft_rounds: int = 0  # verify passes that checked at least one draft token
     accept_hist: list[int] = field(default_factory=list)  # rounds by number of drafts accepted
     position_drafted: list[int] = field(default_factory=list)  # per draft position i
     position_accepted: list[int] = field(default_factory=list)
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
+        """One verify of ``n_drafted`` nodes (a chain, or a tree of ``depth`` levels)."""
         self.drafted += n_drafted
         self.accepted += n_accepted
+        self.draft_rounds += 1
         _bump(self.accept_hist, n_accepted)
-        for i in range(n_drafted):
+        for i in range(n_drafted if depth is None else depth):
             _bump(self.position_drafted, i)
             if i < n_accepted:
                 _bump(self.position_accepted, i)
@@ -45,6 +48,11 @@ class DecodeStats:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def mean_tree_size(self) -> float:
+        """Draft tokens (tree nodes) checked per verify pass."""
+        return self.drafted / self.draft_rounds if self.draft_rounds else 0.0
+
+    @property
     def draft_ms_per_100(self) -> float:
         return 1e5 * self.draft_s / self.new_tokens if self.new_tokens else 0.0
 
@@ -61,6 +69,7 @@ class DecodeStats:
             "mean_accepted": self.mean_accepted,
             "draft_ms_per_100": self.draft_ms_per_100,
             "verify_ms_per_100": self.verify_ms_per_100,
+            "mean_tree_size": self.mean_tree_size,
             "prefill_s": self.prefill_s,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -74,7 +83,7 @@ class DecodeStats:
     def merge(self, other: "DecodeStats") -> "DecodeStats":
         out = DecodeStats()
         for name in ("new_tokens", "wall_s", "prefill_s", "draft_s", "verify_s", "drafted",
-                     "accepted", "target_forwards"):
+                     "accepted", "target_forwards", "draft_rounds"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("accept_hist", "position_drafted", "position_accepted"):
             a, b = getattr(self, name), getattr(other, name)

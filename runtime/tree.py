@@ -24,6 +24,10 @@ class CompiledTree:
     def size(self) -> int:
         return len(self.parents)
 
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max()) if self.size else 0
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""
         path = []

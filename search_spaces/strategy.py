@@ -14,6 +14,9 @@ SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "draft-model")
 DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MAX_DRAFT_LENGTH = 64
+MAX_TREE_NODES = 256
+# SWIFT 4.2 dynamic verification: top-1 probability in (0,0.5] -> 10 candidates, ... (0.95,1] -> 1
+SWIFT_DYNAMIC_WIDTHS: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
 
 class StrategyError(ValueError):
@@ -31,6 +34,11 @@ class Strategy:
       every token.
     - ``confidence_threshold``: stop a draft chain early once the draft's top-1 probability
       falls below this (SWIFT's confidence-aware drafting); 0 disables.
+    - ``tree_widths``: draft a token tree instead of a chain: children per node at each depth
+      (e.g. ``(4, 2, 2, 1, 1)``); its length must equal ``draft_length``. ``None`` = a chain.
+    - ``dynamic_widths``: SWIFT's dynamic verification table ``((p_max, k), ...)``, ascending
+      ``p_max`` ending at 1.0: each draft position also offers its top-k candidates, k chosen by
+      the draft's confidence (see ``SWIFT_DYNAMIC_WIDTHS``). Exclusive with ``tree_widths``.
     - ``draft_vocab``: restrict the draft's output head to token ids ``[0, draft_vocab)`` (BPE ids
       are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way.
     """
@@ -40,6 +48,8 @@ class Strategy:
     draft_precision: str = "auto"
     draft_vocab: int | None = 32768
     confidence_threshold: float = 0.6
+    tree_widths: tuple[int, ...] | None = None
+    dynamic_widths: tuple[tuple[float, int], ...] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -49,10 +59,45 @@ class Strategy:
         if self.draft_vocab is not None:
             _check_int("draft_vocab", self.draft_vocab, 1, 10**7)
         _check_float("confidence_threshold", self.confidence_threshold, 0.0, 1.0)
+        self._check_tree()
         if self.schema_version != SCHEMA_VERSION:
             raise StrategyError(
                 f"schema_version={self.schema_version!r} is not supported (this build reads {SCHEMA_VERSION})"
             )
+
+    def _check_tree(self) -> None:
+        if self.tree_widths is not None:
+            widths = self.tree_widths
+            if not isinstance(widths, tuple) or not widths:
+                raise StrategyError(f"tree_widths={widths!r} must be a non-empty list of integers")
+            for w in widths:
+                _check_int("tree_widths", w, 1, 16)
+            if len(widths) != self.draft_length:
+                raise StrategyError(
+                    f"tree_widths={list(widths)} has {len(widths)} depths but draft_length={self.draft_length}; "
+                    "make them equal"
+                )
+            if self.max_tree_nodes > MAX_TREE_NODES:
+                raise StrategyError(
+                    f"tree_widths={list(widths)} gives {self.max_tree_nodes} nodes; at most {MAX_TREE_NODES} allowed"
+                )
+        if self.dynamic_widths is not None:
+            if self.tree_widths is not None:
+                raise StrategyError("tree_widths and dynamic_widths are exclusive; set one of them")
+            _check_table(self.dynamic_widths)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """Upper bound on draft tokens per verify pass."""
+        if self.dynamic_widths is not None:
+            return self.draft_length * max(k for _, k in self.dynamic_widths)
+        if self.tree_widths is None:
+            return self.draft_length
+        total, level = 0, 1
+        for w in self.tree_widths:
+            level *= w
+            total += level
+        return total
 
     @property
     def speculates(self) -> bool:
@@ -72,6 +117,11 @@ class Strategy:
         unknown = sorted(set(data) - known)
         if unknown:
             raise StrategyError(f"unknown strategy field(s) {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        if isinstance(data.get("tree_widths"), list):
+            data["tree_widths"] = tuple(data["tree_widths"])
+        if isinstance(data.get("dynamic_widths"), list):
+            data["dynamic_widths"] = tuple(tuple(row) if isinstance(row, list) else row for row in data["dynamic_widths"])
         return cls(**data)
 
     @classmethod
@@ -87,6 +137,27 @@ class Strategy:
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise StrategyError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def _check_table(table: Any) -> None:
+    bad = StrategyError(
+        f"dynamic_widths={table!r} must be ((p_max, k), ...) with ascending p_max in (0, 1] ending at 1.0 "
+        "and integer k in 1..16"
+    )
+    if not isinstance(table, tuple) or not table:
+        raise bad
+    last = 0.0
+    for row in table:
+        if not isinstance(row, tuple) or len(row) != 2:
+            raise bad
+        p_max, k = row
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise bad
+        if isinstance(p_max, bool) or not isinstance(p_max, (int, float)) or not last < p_max <= 1.0:
+            raise bad
+        last = float(p_max)
+    if last != 1.0:
+        raise bad
 
 
 def _check_float(name: str, value: Any, lo: float, hi: float) -> None:

@@ -1,6 +1,7 @@
 """Speculative decoding with a draft model is lossless: greedy token-identical, sampling exact."""
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from runtime.decoding import Decoder, GenerationConfig
-from runtime.drafters import ModelDrafter
+from runtime.drafters import ModelDrafter, TreeShape
 from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
 
@@ -18,14 +19,77 @@ PROMPT = [5, 17, 3, 88, 42, 7]
 
 
 def spec_decoder(target, draft, k: int, draft_backend: str = "dense", head: int | None = None,
-                 verify_backend: str = "dense", threshold: float = 0.0) -> Decoder:
+                 verify_backend: str = "dense", threshold: float = 0.0, shape: TreeShape | None = None) -> Decoder:
     t, d = CausalLM(target), CausalLM(draft)
     d.restrict_head(head)
     d.use_linear_backend(draft_backend)
+    shape = shape or TreeShape((1,) * k, threshold=threshold)
+    width = shape.max_nodes() + 1
     if verify_backend != "dense":
-        t.use_linear_backend(verify_backend, k + 1)
-    drafter = ModelDrafter(d, target_vocab=t.dims.vocab, confidence_threshold=threshold)
-    return Decoder(t, drafter, k, verify_width=k + 1)
+        t.use_linear_backend(verify_backend, width)
+    drafter = ModelDrafter(d, target_vocab=t.dims.vocab, shape=shape)
+    return Decoder(t, drafter, len(shape.widths), verify_width=width)
+
+
+TREES = [
+    TreeShape((3, 2, 1)),
+    TreeShape((2, 2, 2, 1), threshold=0.2),
+    TreeShape((1, 1, 1, 1, 1), dynamic=((0.5, 4), (0.8, 2), (1.0, 1))),
+    TreeShape((4,)),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("shape", TREES, ids=lambda s: f"{s.widths}-{s.dynamic}-{s.threshold}")
+@pytest.mark.parametrize("verify_backend", ["dense", "mkl-packed"])
+def test_greedy_tree_spec_equals_plain(family, shape, verify_backend):
+    target, draft = tiny_model(family, 30), tiny_model(family, 31, layers=1)
+    cfg = GenerationConfig(max_new_tokens=40)
+    plain = Decoder(CausalLM(target)).generate(PROMPT, cfg)
+    spec = spec_decoder(target, draft, 0, shape=shape, verify_backend=verify_backend).generate(PROMPT, cfg)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.mean_tree_size > 1.0
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A draft that mostly agrees with the target: its weights plus noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+    return draft
+
+
+def test_tree_raises_mean_accepted_over_chain(tiny_llama):
+    draft = noisy_copy(tiny_llama, 0.8, seed=3)
+    cfg = GenerationConfig(max_new_tokens=60)
+    chain = spec_decoder(tiny_llama, draft, 3).generate(PROMPT, cfg)
+    tree = spec_decoder(tiny_llama, draft, 0, shape=TreeShape((4, 2, 2))).generate(PROMPT, cfg)
+    assert tree.tokens == chain.tokens
+    assert tree.stats.mean_accepted > chain.stats.mean_accepted
+
+
+def test_width_one_tree_verifies_like_a_chain(tiny_qwen):
+    """Forcing the tree verifier on a chain gives the chain verifier's result and cache (greedy;
+    under sampling the two consume random numbers differently, so the decoder routes every
+    width-1 tree through the chain verifier)."""
+    draft_model = noisy_copy(tiny_qwen, 0.5, seed=4)
+    for params in [SamplingParams()]:
+        results = []
+        for use_tree in (False, True):
+            dec = spec_decoder(tiny_qwen, draft_model, 4)
+            cache = dec.target.new_cache(64)
+            with torch.inference_mode():
+                dec.target(torch.tensor(PROMPT), cache)
+                dec.drafter.begin(PROMPT, 64)
+                gen = torch.Generator().manual_seed(5)
+                draft = dec.drafter.propose(4, params, gen)
+                verify = dec._verify_tree if use_tree else dec._verify_chain
+                path, nxt = verify(PROMPT[-1], draft, cache, params, gen)
+            results.append((path, nxt, cache.length, cache.view(0)[0].clone()))
+        assert results[0][:3] == results[1][:3]
+        torch.testing.assert_close(results[0][3], results[1][3])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -102,12 +166,20 @@ def _exact_pair_distribution(target: torch.nn.Module, params: SamplingParams) ->
     return out
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4, top_p=0.9)])
-def test_spec_sampling_reproduces_target_distribution(params):
+@pytest.mark.parametrize(
+    "params,shape",
+    [
+        (SamplingParams(temperature=1.0), TreeShape((1, 1), threshold=0.3)),
+        (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), TreeShape((1, 1))),
+        (SamplingParams(temperature=1.0), TreeShape((3, 2))),
+        (SamplingParams(temperature=0.8), TreeShape((1, 1), dynamic=((0.6, 3), (1.0, 1)))),
+    ],
+)
+def test_spec_sampling_reproduces_target_distribution(params, shape):
     target = tiny_model("llama", 20, vocab=V)
     draft = tiny_model("llama", 21, vocab=V, layers=1)
     exact = _exact_pair_distribution(target, params)
-    decoder = spec_decoder(target, draft, 2, threshold=0.3)
+    decoder = spec_decoder(target, draft, 0, shape=shape)
     n = 1500
     counts = {cell: 0 for cell in itertools.product(range(V), repeat=2)}
     drafted = 0
