@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder, eos_ids
 from runtime.stats import DecodeStats
-from search_spaces.strategy import PLAIN, Strategy
+from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
 from autotune.errors import CliError
 
@@ -81,9 +81,24 @@ def _ours(strategy_of: Callable[[BenchContext], Strategy]) -> MethodFactory:
 
 
 def _sd_strategy(ctx: BenchContext) -> Strategy:
+    """The strategy from the command line (a chain unless --tree-widths/--dynamic-widths)."""
     if ctx.draft_name is None:
         raise CliError("method 'sd' needs a draft model; pass --draft MODEL")
     return ctx.strategy
+
+
+def _tree_strategy(ctx: BenchContext) -> Strategy:
+    """The command line's tree, else the default tree shape."""
+    if ctx.draft_name is None:
+        raise CliError("method 'sd-tree' needs a draft model; pass --draft MODEL")
+    s = ctx.strategy
+    if s.tree_widths is not None or s.dynamic_widths is not None:
+        return s
+    return replace(s, draft_length=len(DEFAULT_TREE_WIDTHS), tree_widths=DEFAULT_TREE_WIDTHS)
+
+
+def _lookup_strategy(ctx: BenchContext) -> Strategy:
+    return Strategy(drafter="prompt-lookup", draft_length=ctx.strategy.draft_length)
 
 
 METHODS: dict[str, MethodFactory] = {
@@ -91,6 +106,8 @@ METHODS: dict[str, MethodFactory] = {
     "hf-assisted": _hf_assisted,
     "vanilla": _ours(lambda ctx: PLAIN),
     "sd": _ours(_sd_strategy),
+    "sd-tree": _ours(_tree_strategy),
+    "lookup": _ours(_lookup_strategy),
 }
 
 
@@ -134,7 +151,7 @@ def summarise(totals: dict[str, MethodTotals], methods: list[str]) -> dict[str, 
     baseline = "hf" if "hf" in totals else ("vanilla" if "vanilla" in totals else methods[0])
     base = totals[baseline]
     report: dict[str, Any] = {"baseline": baseline, "methods": {}}
-    speculative = {"sd", "hf-assisted"}
+    speculative = {"sd", "sd-tree", "lookup", "hf-assisted"}
     for name in methods:
         s = totals[name].stats
         drafted = s.drafted > 0 or name in speculative
@@ -148,6 +165,7 @@ def summarise(totals: dict[str, MethodTotals], methods: list[str]) -> dict[str, 
             "verify_ms_per_100": s.verify_ms_per_100 if s.target_forwards else None,
             "speedup_vs_baseline": s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else None,
             "identical_to_baseline": totals[name].outputs == base.outputs,
+            "mean_tree_size": s.mean_tree_size if s.draft_rounds else None,
             "accept_hist": s.accept_hist if s.drafted else None,
         }
     return report
@@ -164,14 +182,15 @@ def format_table(report: dict[str, Any]) -> str:
     from rich.table import Table
 
     table = Table(title=f"bench (baseline: {report['baseline']})")
-    cols = ["method", "tok/s", "speedup", "identical", "alpha", "M", "draft ms/100", "verify ms/100", "tokens"]
+    cols = ["method", "tok/s", "speedup", "identical", "alpha", "M", "tree", "draft ms/100", "verify ms/100", "tokens"]
     for c in cols:
         table.add_column(c, justify="right" if c != "method" else "left")
     for name, m in report["methods"].items():
         table.add_row(
             name, f"{m['tokens_per_s']:.2f}", _fmt(m["speedup_vs_baseline"], "{:.2f}x"),
             "yes" if m["identical_to_baseline"] else "NO", _fmt(m["acceptance_rate"], "{:.3f}"),
-            _fmt(m["mean_accepted"], "{:.2f}"), _fmt(m["draft_ms_per_100"], "{:.0f}"),
+            _fmt(m["mean_accepted"], "{:.2f}"), _fmt(m["mean_tree_size"], "{:.1f}"),
+            _fmt(m["draft_ms_per_100"], "{:.0f}"),
             _fmt(m["verify_ms_per_100"], "{:.0f}"), str(m["new_tokens"]),
         )
     console = Console(width=120, record=True)

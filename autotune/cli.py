@@ -41,6 +41,8 @@ def _add_strategy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-precision", help="draft arithmetic: auto, float32, bfloat16, int8 (strategy default if unset)")
     p.add_argument("--draft-vocab", type=int, help="restrict the draft head to ids < N (0 = full head)")
     p.add_argument("--confidence-threshold", type=float, help="stop drafting below this top-1 probability")
+    p.add_argument("--tree-widths", help="draft a token tree: children per node at each depth, e.g. 4,2,2,1,1")
+    p.add_argument("--dynamic-widths", help="SWIFT dynamic verification table: 'swift' or P:K,P:K,... (last P = 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_prompt_args(bench, need_task=True)
     _add_strategy_args(bench)
-    bench.add_argument("--methods", default="hf,vanilla,sd", help="comma list of: hf, hf-assisted, vanilla, sd")
+    bench.add_argument(
+        "--methods", default="hf,vanilla,sd", help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup"
+    )
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     return parser
 
@@ -74,7 +78,30 @@ def _strategy(args: argparse.Namespace) -> Any:
     ) if v is not None}
     if args.draft_vocab is not None:
         changes["draft_vocab"] = args.draft_vocab or None  # 0 = the full head
+    if args.tree_widths:
+        changes["tree_widths"] = _int_list("--tree-widths", args.tree_widths)
+        changes.setdefault("draft_length", len(changes["tree_widths"]))
+    if args.dynamic_widths:
+        changes["dynamic_widths"] = _width_table(args.dynamic_widths)
     return Strategy.from_dict({**base.to_dict(), **changes})
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CliError(f"{flag} takes comma-separated integers like 4,2,2,1,1, got {text!r}") from None
+
+
+def _width_table(text: str) -> list[list[float | int]]:
+    from search_spaces.strategy import SWIFT_DYNAMIC_WIDTHS
+
+    if text == "swift":
+        return [list(row) for row in SWIFT_DYNAMIC_WIDTHS]
+    try:
+        return [[float(p), int(k)] for p, k in (row.split(":") for row in text.split(","))]
+    except ValueError:
+        raise CliError(f"--dynamic-widths takes 'swift' or P:K pairs like 0.5:10,0.8:5,0.95:3,1:1, got {text!r}") from None
 
 
 def _prompt_items(args: argparse.Namespace) -> list[Any]:

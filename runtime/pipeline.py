@@ -10,6 +10,7 @@ from runtime.decoding import Decoder
 from runtime.drafters import Drafter, ModelDrafter, TreeShape
 from runtime.errors import RuntimeUserError
 from runtime.linear import mkl_packing_available
+from runtime.lookup import PromptLookupDrafter
 from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
@@ -83,9 +84,16 @@ def verify_backend(device: str) -> str:
     return "mkl-packed" if torch.device(device).type == "cpu" and mkl_packing_available() else "dense"
 
 
+def _lookup_drafter(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM
+) -> Drafter:
+    return PromptLookupDrafter()
+
+
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": _no_drafter,
     "draft-model": _model_drafter,
+    "prompt-lookup": _lookup_drafter,
 }
 
 

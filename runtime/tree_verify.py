@@ -21,17 +21,17 @@ from runtime.tree import CompiledTree
 def verify_tree_greedy(
     target_argmax: torch.Tensor, tree: CompiledTree, tokens: torch.Tensor
 ) -> tuple[list[int], int]:
-    """target_argmax ``[N+1]`` (row 0 = root). Returns (accepted node indices, next token)."""
+    """target_argmax ``[N+1]`` (row 0 = root). Returns (accepted node indices, next token).
+    Among duplicate siblings that both match, the one leading to the longer path wins."""
     best = target_argmax.tolist()
     toks = tokens.tolist()
-    path: list[int] = []
-    row = 0
-    while True:
-        match = next((c for c in tree.children[row] if toks[c] == best[row]), None)
-        if match is None:
-            return path, best[row]
-        path.append(match)
-        row = match + 1
+
+    def longest(row: int) -> list[int]:
+        paths = [[c] + longest(c + 1) for c in tree.children[row] if toks[c] == best[row]]
+        return max(paths, key=len, default=[])
+
+    path = longest(0)
+    return path, best[path[-1] + 1 if path else 0]
 
 
 def verify_tree(
@@ -42,6 +42,7 @@ def verify_tree(
     generator: torch.Generator,
 ) -> tuple[list[int], int]:
     """Multi-step speculative sampling over the tree -> (accepted node indices, next token)."""
+    _check_inputs(p, tree, tokens, q)
     toks = tokens.tolist()
     path: list[int] = []
     row = 0
@@ -62,6 +63,22 @@ def verify_tree(
             return path, int(sample(dist, generator))
         path.append(accepted)
         row = accepted + 1
+
+
+def _check_inputs(p: torch.Tensor, tree: CompiledTree, tokens: torch.Tensor, q: torch.Tensor | None) -> None:
+    n = tree.size
+    if tokens.shape != (n,) or p.dim() != 2 or p.shape[0] != n + 1:
+        raise ValueError(
+            f"tree of {n} nodes needs tokens [{n}] and p [{n + 1}, V]; got {tuple(tokens.shape)} and {tuple(p.shape)}"
+        )
+    if q is None:
+        return
+    if q.shape != (n, p.shape[1]):
+        raise ValueError(f"q must have shape [{n}, {p.shape[1]}], got {tuple(q.shape)}")
+    zero = (q.gather(1, tokens.long()[:, None])[:, 0] <= 0).nonzero()
+    if zero.numel():
+        node = int(zero[0])
+        raise ValueError(f"tree node {node} has token {int(tokens[node])} with proposal probability 0")
 
 
 def _proposal(q: torch.Tensor | None, node: int, token: int, like: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,12 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-DRAFTER_KINDS = ("none", "draft-model")
+DRAFTER_KINDS = ("none", "draft-model", "prompt-lookup")
 DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
+# the tree `autotune bench --methods sd-tree` uses when none is given (measured on CPU, see docs)
+DEFAULT_TREE_WIDTHS: tuple[int, ...] = (2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 # SWIFT 4.2 dynamic verification: top-1 probability in (0,0.5] -> 10 candidates, ... (0.95,1] -> 1
 SWIFT_DYNAMIC_WIDTHS: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
@@ -27,7 +29,8 @@ class StrategyError(ValueError):
 class Strategy:
     """How to decode.
 
-    - ``drafter``: ``none`` (plain decoding) or ``draft-model`` (a smaller model of the family).
+    - ``drafter``: ``none`` (plain decoding), ``draft-model`` (a smaller model of the family) or
+      ``prompt-lookup`` (copy the continuation of the latest matching n-gram of the context).
     - ``draft_length``: tokens drafted per round (gamma).
     - ``draft_precision``: arithmetic of the draft (``auto`` = int8 on CPU, bfloat16 on GPU). Only
       the target must be exact, so a low-precision draft stays lossless: the target verifies
