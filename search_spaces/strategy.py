@@ -43,13 +43,15 @@ class Strategy:
       ``p_max`` ending at 1.0: each draft position also offers its top-k candidates, k chosen by
       the draft's confidence (see ``SWIFT_DYNAMIC_WIDTHS``). Exclusive with ``tree_widths``.
     - ``draft_vocab``: restrict the draft's output head to token ids ``[0, draft_vocab)`` (BPE ids
-      are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way.
+      are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way, but
+      measured on HumanEval with the Qwen pair, 32768 ids cost more acceptance (alpha 0.70 vs
+      0.98: identifiers often have large ids) than the smaller head saves, hence full by default.
     """
 
     drafter: str = "draft-model"
     draft_length: int = 10
     draft_precision: str = "auto"
-    draft_vocab: int | None = 32768
+    draft_vocab: int | None = None
     confidence_threshold: float = 0.6
     tree_widths: tuple[int, ...] | None = None
     dynamic_widths: tuple[tuple[float, int], ...] | None = None
