@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
+from search_spaces.strategy import tree_node_bound
 
 
 @dataclass
@@ -63,13 +64,7 @@ class TreeShape:
         return w, w
 
     def max_nodes(self) -> int:
-        if self.dynamic is not None:
-            return len(self.widths) * max(k for _, k in self.dynamic)
-        total, level = 0, 1
-        for w in self.widths:
-            level *= w
-            total += level
-        return total
+        return tree_node_bound(self.widths, self.dynamic)
 
 
 @dataclass

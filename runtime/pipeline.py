@@ -22,6 +22,19 @@ class ModelPool:
 
     device: str = "cpu"
     _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
+    # target wrappers whose weights were repacked, by (model, backend, width): one copy each
+    _prepared: dict[tuple[int, str, int], CausalLM] = field(default_factory=dict)
+
+    def target_for_width(self, target: LoadedModel, backend: str, width: int) -> CausalLM:
+        """A wrapper of ``target`` executing with ``backend`` packed for ``width`` rows (shared)."""
+        key = (id(target.hf_model), backend, width)
+        if key not in self._prepared:
+            lm = CausalLM(target.hf_model)
+            lm.use_linear_backend(backend, width)
+            self._prepared[key] = lm
+        shared = CausalLM(target.hf_model)
+        shared.share_linears_from(self._prepared[key])
+        return shared
 
     def get(self, name: str, dtype: str | torch.dtype) -> LoadedModel:
         torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -107,7 +120,7 @@ def build_decoder(
     width = strategy.max_tree_nodes + 1
     backend = verify_backend(pool.device)
     if backend != "dense" and lm.dtype == torch.float32:
-        lm.use_linear_backend(backend, width)
+        lm = pool.target_for_width(target, backend, width)
     return Decoder(lm, drafter, strategy.draft_length, verify_width=width)
 
 

@@ -131,6 +131,13 @@ class CausalLM:
         ]
         self.head = self._build_head()
 
+    def share_linears_from(self, other: "CausalLM") -> None:
+        """Reuse ``other``'s executed projections (e.g. one packed copy of the weights per width)."""
+        if other.hf_model is not self.hf_model:
+            raise ValueError("can only share linears between wrappers of the same model")
+        self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
+        self.linears, self.head = other.linears, other.head
+
     def _build_head(self) -> Linear:
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
         if self.head_rows is not None:

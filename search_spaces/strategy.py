@@ -94,15 +94,7 @@ class Strategy:
     @property
     def max_tree_nodes(self) -> int:
         """Upper bound on draft tokens per verify pass."""
-        if self.dynamic_widths is not None:
-            return self.draft_length * max(k for _, k in self.dynamic_widths)
-        if self.tree_widths is None:
-            return self.draft_length
-        total, level = 0, 1
-        for w in self.tree_widths:
-            level *= w
-            total += level
-        return total
+        return tree_node_bound(self.tree_widths or (1,) * self.draft_length, self.dynamic_widths)
 
     @property
     def speculates(self) -> bool:
@@ -142,6 +134,18 @@ class Strategy:
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise StrategyError(f"{name}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+
+
+def tree_node_bound(widths: tuple[int, ...], dynamic: tuple[tuple[float, int], ...] | None) -> int:
+    """Most nodes a tree can have: full expansion of ``widths``, or with a dynamic-widths table a
+    chain of ``len(widths)`` positions each offering the table's largest k."""
+    if dynamic is not None:
+        return len(widths) * max(k for _, k in dynamic)
+    total, level = 0, 1
+    for w in widths:
+        level *= w
+        total += level
+    return total
 
 
 def _check_table(table: Any) -> None:

@@ -50,3 +50,39 @@ def test_qwen_pair_spec_equals_hf(pool):
     assert got.stats.acceptance_rate > 0.3  # a real draft of the same family agrees often
     sampled = spec.generate(ids, GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=0.8), seed=1))
     assert len(sampled.tokens) == 12 and all(0 <= t < 151936 for t in sampled.tokens)
+
+
+def _timeless(stats) -> dict:
+    d = stats.as_dict()
+    for key in ("wall_s", "tokens_per_s", "draft_ms_per_100", "verify_ms_per_100", "prefill_s"):
+        d.pop(key)
+    return d
+
+
+def test_smollm_tree_and_width_one_tree(pool, smollm):
+    """Trees stay token-identical on a real model; a width-1 tree equals the chain exactly."""
+    ids = prompt_ids(smollm, "humaneval", 1)[0]
+    cfg = GenerationConfig(max_new_tokens=24, eos_token_ids=eos_ids(smollm))
+    want = hf_greedy(smollm, ids, 24)
+    tree = Strategy(draft_length=3, tree_widths=(3, 2, 1), draft_precision="int8")
+    dynamic = Strategy(draft_length=4, dynamic_widths=((0.5, 3), (0.9, 2), (1.0, 1)), confidence_threshold=0.2)
+    for strategy in (tree, dynamic):
+        got = build_decoder(pool, smollm, strategy, "smollm2-135m").generate(ids, cfg)
+        assert got.tokens == want
+        assert got.stats.mean_tree_size > 1
+    chain = Strategy(draft_length=4, draft_precision="int8")
+    width_one = Strategy(draft_length=4, tree_widths=(1, 1, 1, 1), draft_precision="int8")
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95)):
+        c = GenerationConfig(max_new_tokens=24, sampling=sampling, seed=7, eos_token_ids=eos_ids(smollm))
+        a = build_decoder(pool, smollm, chain, "smollm2-135m").generate(ids, c)
+        b = build_decoder(pool, smollm, width_one, "smollm2-135m").generate(ids, c)
+        assert a.tokens == b.tokens
+        assert _timeless(a.stats) == _timeless(b.stats)
+
+
+def test_prompt_lookup_is_lossless_on_real_model(pool, smollm):
+    ids = prompt_ids(smollm, "gsm8k", 1)[0]
+    cfg = GenerationConfig(max_new_tokens=32, eos_token_ids=eos_ids(smollm))
+    got = build_decoder(pool, smollm, Strategy(drafter="prompt-lookup", draft_length=6)).generate(ids, cfg)
+    assert got.tokens == hf_greedy(smollm, ids, 32)
+    assert got.stats.drafted > 0

@@ -1,0 +1,29 @@
+"""`autotune bench` end to end on the small real model (slow tier)."""
+import json
+
+import pytest
+
+from autotune.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_reports_every_method(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--task", "humaneval", "--limit", "1",
+        "--max-new-tokens", "12", "--methods", "hf,vanilla,sd,sd-tree,lookup", "--draft-length", "3",
+        "--json", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["baseline"] == "hf"
+    assert set(report["methods"]) == {"hf", "vanilla", "sd", "sd-tree", "lookup"}
+    for name, m in report["methods"].items():
+        assert m["identical_to_baseline"], name
+        assert m["new_tokens"] == 12
+        for key in ("tokens_per_s", "wall_s", "acceptance_rate", "mean_accepted", "draft_ms_per_100",
+                    "verify_ms_per_100", "speedup_vs_baseline", "mean_tree_size"):
+            assert key in m
+    assert report["methods"]["sd-tree"]["mean_tree_size"] > report["methods"]["sd"]["mean_tree_size"]
+    assert "identical" in capsys.readouterr().out
