@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,9 +159,3 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             "pick a draft of the same model family"
         )
 
-
-def clear_model_cache(name: str) -> None:
-    """Remove the dequantised cache of a packaged model (it is rebuilt on next load)."""
-    source = resolve_model(name)
-    if isinstance(source, PackagedGGUF):
-        shutil.rmtree(cache_root() / "models" / f"{name}-{source.sha256[:12]}", ignore_errors=True)
