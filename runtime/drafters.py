@@ -125,9 +125,11 @@ class ModelDrafter:
     ) -> list[int]:
         """Append the children of every frontier node; return the nodes to expand next."""
         expand: list[int] = []
-        probs = torch.softmax(logits, dim=-1)  # [F, Vd]
+        # top-1 probability per frontier row, only when the shape depends on it
+        needs_conf = shape.dynamic is not None or (depth > 0 and shape.threshold > 0)
+        conf = torch.softmax(logits, dim=-1).amax(dim=-1).tolist() if needs_conf else [1.0] * len(frontier)
         for row, node in enumerate(frontier):
-            n_children, n_expand = shape.children(depth, float(probs[row].max()))
+            n_children, n_expand = shape.children(depth, conf[row])
             if n_children == 0:
                 continue
             if params.greedy:
