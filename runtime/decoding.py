@@ -99,10 +99,7 @@ class Decoder:
         tokens = draft.tokens.tolist()
         new_tokens = [tokens[i] for i in path] + [nxt]
         if self.drafter is not None:
-            if draft.is_chain:
-                self.drafter.observe(len(path), new_tokens)
-            else:
-                self.drafter.observe(len(path), new_tokens, path)
+            self.drafter.observe(len(path), new_tokens, path)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
