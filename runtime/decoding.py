@@ -16,7 +16,7 @@ from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, logits_to_probs, sample, verify_chain, verify_chain_greedy
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
-from runtime.tree import compile_tree, verify_mask
+from runtime.tree import CompiledTree, compile_tree, verify_mask
 from runtime.tree_verify import verify_tree, verify_tree_greedy
 
 
@@ -109,19 +109,32 @@ class Decoder:
             stats.record_round(len(tokens), len(path), depth)
         return new_tokens
 
-    def _padded(self, ids: torch.Tensor) -> torch.Tensor:
-        """Pad the verify rows to the fixed verify width (cheap packed GEMMs); pads are discarded."""
-        if self.drafter is None or ids.numel() >= self.verify_width:
-            return ids
-        return torch.cat([ids, ids[-1:].expand(self.verify_width - ids.numel())])
+    def _verify_forward(
+        self, cur: int, draft: Draft, cache: KVCache, tree: CompiledTree | None = None
+    ) -> torch.Tensor:
+        """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32).
+
+        Rows are padded to the fixed verify width (cheap packed GEMMs on CPU); padding rows see
+        only the prefix and themselves and are dropped. A tree gets its depths and mask; a chain
+        the default causal positions and mask."""
+        n = 1 + int(draft.tokens.numel())
+        ids = torch.cat([torch.tensor([cur]), draft.tokens])
+        pad = max(0, self.verify_width - n) if self.drafter is not None else 0
+        ids = torch.cat([ids, ids[-1:].expand(pad)])
+        positions = mask = None
+        dev = self.target.device
+        if tree is not None:
+            base = cache.length
+            zero = torch.zeros(1, dtype=torch.long)
+            positions = (torch.cat([zero, tree.depth, zero.expand(pad)]) + base).to(dev)
+            mask = verify_mask(tree, base, pad).to(dev)
+        return self.target(ids.to(dev), cache, positions=positions, mask=mask)[:n].float()
 
     def _verify_chain(
         self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
     ) -> tuple[list[int], int]:
-        k = int(draft.tokens.numel())
         base = cache.length
-        ids = self._padded(torch.cat([torch.tensor([cur]), draft.tokens]))
-        logits = self.target(ids.to(self.target.device), cache)[: k + 1].float()  # [k+1, V]
+        logits = self._verify_forward(cur, draft, cache)  # [k+1, V]
         if params.greedy:
             n_acc, nxt = verify_chain_greedy(logits.argmax(dim=-1), draft.tokens)
         else:
@@ -135,12 +148,7 @@ class Decoder:
         assert draft.parents is not None
         tree = compile_tree(draft.parents)
         base = cache.length
-        ids = self._padded(torch.cat([torch.tensor([cur]), draft.tokens]))
-        pad = ids.numel() - tree.size - 1
-        dev = self.target.device
-        positions = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth, torch.zeros(pad, dtype=torch.long)]) + base
-        mask = verify_mask(tree, base, pad).to(dev)
-        logits = self.target(ids.to(dev), cache, positions=positions.to(dev), mask=mask)[: tree.size + 1].float()
+        logits = self._verify_forward(cur, draft, cache, tree)  # [N+1, V]
         if params.greedy:
             path, nxt = verify_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
         else:
