@@ -1,6 +1,6 @@
 """Which exceptions are the user's input being wrong (one line, exit 2) rather than our bug."""
 from runtime.errors import RuntimeUserError
-from search_spaces.strategy import StrategyError
+from search_spaces.errors import StrategyError
 from studies.errors import TaskError
 
 

@@ -76,7 +76,7 @@ class Decoder:
             stats.prefill_s = time.perf_counter() - start
             stats.target_forwards = 1
             if self.drafter is not None:
-                self.drafter.begin(prompt + out, capacity)
+                self.drafter.begin(prompt + out, capacity, cache)
             while len(out) < config.max_new_tokens and out[-1] not in eos:
                 out.extend(self._round(out, cache, config, gen, stats))
         out = _truncate(out, config.max_new_tokens, eos)

@@ -7,8 +7,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
+from search_spaces.layer_plan import LayerPlan
 from search_spaces.strategy import tree_node_bound
 
 
@@ -32,7 +34,7 @@ class Drafter(Protocol):
     ``path`` lists the accepted node indices (for chains, ``range(n_accepted)``) and
     ``new_tokens`` are the tokens appended to the sequence (accepted drafts + the next token)."""
 
-    def begin(self, prompt: list[int], capacity: int) -> None: ...
+    def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None: ...
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
 
@@ -81,17 +83,28 @@ class ModelDrafter:
     Each depth is one draft forward over all frontier nodes with a tree attention mask. The cache
     holds a prefix of the committed sequence plus this round's drafted rows; ``pending`` are
     committed tokens the draft has not seen yet.
+
+    With a layer ``plan`` the drafted rows run under it (fuzzy groups, skipped sub-layers). With
+    ``calibrate`` (EasySpec bonus calibration) every drafted row is discarded after verification
+    and the committed tokens (accepted + bonus) are re-run exactly in one forward, whose last
+    logits give the next round's first draft token; without it, the accepted rows' fuzzy K/V
+    are kept and the remaining tokens run under the plan too.
     """
 
-    def __init__(self, model: CausalLM, target_vocab: int, shape: TreeShape | None = None) -> None:
+    def __init__(
+        self, model: CausalLM, target_vocab: int, shape: TreeShape | None = None,
+        plan: LayerPlan | None = None, calibrate: bool = True,
+    ) -> None:
         self.model = model
         self.target_vocab = target_vocab
         self.shape = shape
+        self.plan = None if plan is None or plan.is_identity else plan
+        self.calibrate = calibrate and self.plan is not None
         self.cache = model.new_cache(1)
         self.pending: list[int] = []
         self.round = _Round()
 
-    def begin(self, prompt: list[int], capacity: int) -> None:
+    def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         extra = self.shape.max_nodes() if self.shape else 0
         self.cache = self.model.new_cache(capacity + extra)
         self.pending = list(prompt)
@@ -102,7 +115,8 @@ class ModelDrafter:
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
         ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
-        logits = self.model(ids, self.cache, logits_for=slice(-1, None)).float()  # [1, Vd]
+        catch_up_plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
+        logits = self.model(ids, self.cache, logits_for=slice(-1, None), plan=catch_up_plan).float()  # [1, Vd]
         self.pending = []
         self.round.base = self.cache.length
         shape = self.shape or TreeShape(widths=(1,) * k)
@@ -165,7 +179,7 @@ class ModelDrafter:
         for r, n in enumerate(nodes):
             rnd.slot[n] = start - rnd.base + r
         ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
-        return self.model(ids, self.cache, positions=positions, mask=mask).float()  # [F, Vd]
+        return self.model(ids, self.cache, positions=positions, mask=mask, plan=self.plan).float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         if path is None:
@@ -176,11 +190,39 @@ class ModelDrafter:
             return
         kept = []
         for node in path:  # accepted nodes the draft already ran, in order (a prefix of `path`)
-            if node not in rnd.slot:
+            if self.calibrate or node not in rnd.slot:
                 break
             kept.append(rnd.slot[node])
         self.cache.commit(rnd.base, kept)
         self.pending = list(new_tokens[len(kept):])
+
+
+class SelfDrafter(ModelDrafter):
+    """SWIFT self-speculation: the target itself, with ``plan`` skipping sub-layers, drafts.
+
+    It reads the target's KV cache for the committed prefix and writes its draft rows (only for
+    the layers it runs) after it; before verification it rolls the cache back, and the verify
+    forward rewrites those slots for every layer, which restores the exact state."""
+
+    def __init__(self, model: CausalLM, plan: LayerPlan, shape: TreeShape | None = None) -> None:
+        super().__init__(model, model.dims.vocab, shape, plan, calibrate=False)
+
+    def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
+        if target_cache is None:
+            raise ValueError("a self-speculative drafter drafts into the target's cache; pass it to begin()")
+        self.cache = target_cache
+        self.pending = [prompt[-1]]  # the target cache holds everything before the last token
+
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        committed = self.cache.length
+        try:
+            return super().propose(k, params, generator)
+        finally:
+            self.cache.rollback(committed)
+
+    def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
+        self.round = _Round()
+        self.pending = [new_tokens[-1]]
 
 
 def _depth(node: int, parents: list[int]) -> int:

@@ -25,9 +25,12 @@ class KVCache:
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"KVCache capacity must be positive, got {capacity}")
-        shape = (n_kv_heads, capacity, head_dim)  # [Hkv, S, D]
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        shape = (n_layers, n_kv_heads, capacity, head_dim)  # [L, Hkv, S, D]
+        # one tensor per kind, so consecutive layers are one view (layer-parallel groups)
+        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = list(self.all_keys.unbind(0))  # per-layer views [Hkv, S, D]
+        self.values = list(self.all_values.unbind(0))
         self.capacity = capacity
         self.length = 0
 
@@ -51,6 +54,16 @@ class KVCache:
         self.keys[layer][:, self.length : end] = k
         self.values[layer][:, self.length : end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def write_layers(
+        self, layers: slice, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like :meth:`write` for a run of consecutive layers at once: k, v ``[N, Hkv, T, D]``;
+        returns views ``[N, Hkv, length + T, D]``."""
+        end = self.length + k.shape[2]
+        self.all_keys[layers, :, self.length : end] = k
+        self.all_values[layers, :, self.length : end] = v
+        return self.all_keys[layers, :, :end], self.all_values[layers, :, :end]
 
     def view(self, layer: int, n_new: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + n_new
@@ -76,7 +89,6 @@ class KVCache:
         contiguous = bool(n == 0 or torch.equal(idx, torch.arange(n)))
         if not contiguous:
             src = idx + start
-            for layer in range(self.n_layers):
-                self.keys[layer][:, start : start + n] = self.keys[layer][:, src]
-                self.values[layer][:, start : start + n] = self.values[layer][:, src]
+            self.all_keys[:, :, start : start + n] = self.all_keys[:, :, src]
+            self.all_values[:, :, start : start + n] = self.all_values[:, :, src]
         self.length = start + n

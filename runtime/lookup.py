@@ -40,7 +40,7 @@ class PromptLookupDrafter:
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
 
-    def begin(self, prompt: list[int], capacity: int) -> None:
+    def begin(self, prompt: list[int], capacity: int, target_cache: object = None) -> None:
         """Reset to ``prompt`` (the decode loop passes prompt + first token). ``capacity`` is unused:
         no cache is kept."""
         self.history = []

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.decoding import Decoder
-from runtime.drafters import Drafter, ModelDrafter, TreeShape
+from runtime.drafters import Drafter, ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
+from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
 from runtime.lookup import PromptLookupDrafter
 from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype
@@ -62,7 +63,22 @@ def _model_drafter(
     draft_lm = CausalLM(draft.hf_model)
     draft_lm.restrict_head(min(s.draft_vocab or draft_lm.dims.vocab, lm.dims.vocab, draft_lm.dims.vocab))
     draft_lm.use_linear_backend(PRECISION_BACKEND[precision])
-    return ModelDrafter(draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s))
+    if s.layer_plan is not None:
+        check_plan_fits(s.layer_plan, draft_lm.dims.n_layers, f"draft model {draft_name}")
+    return ModelDrafter(
+        draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s), plan=s.layer_plan, calibrate=s.calibrate
+    )
+
+
+def _self_drafter(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM
+) -> Drafter:
+    """SWIFT self-speculation: the target with the strategy's layer plan (skips) drafts."""
+    if draft_name is not None:
+        raise RuntimeUserError("strategy drafter 'layer-skip' drafts with the target itself; drop --draft")
+    assert s.layer_plan is not None  # Strategy validation guarantees it
+    check_plan_fits(s.layer_plan, lm.dims.n_layers, f"target model {target.model_id}")
+    return SelfDrafter(lm, s.layer_plan, shape=tree_shape(s))
 
 
 def tree_shape(s: Strategy) -> TreeShape:
@@ -106,6 +122,7 @@ def _lookup_drafter(
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": _no_drafter,
     "draft-model": _model_drafter,
+    "layer-skip": _self_drafter,
     "prompt-lookup": _lookup_drafter,
 }
 

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
+from runtime.layer_exec import AttnInputs, CompiledPlan, compile_plan, run_blocks
 from runtime.linear import Linear, make_linear
+from search_spaces.layer_plan import LayerPlan
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class CausalLM:
         self.linears: list[dict[str, Linear]] = []
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
+        self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
+        self._plans: dict[LayerPlan, CompiledPlan] = {}
 
     def use_linear_backend(self, backend: str, width: int = 1) -> None:
         """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
@@ -137,6 +141,13 @@ class CausalLM:
             raise ValueError("can only share linears between wrappers of the same model")
         self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
         self.linears, self.head = other.linears, other.head
+        self._plans = other._plans
+
+    def compiled(self, plan: LayerPlan) -> CompiledPlan:
+        """``plan`` compiled for this model (stacked group weights), cached per plan."""
+        if plan not in self._plans:
+            self._plans[plan] = compile_plan(self, plan)
+        return self._plans[plan]
 
     def _build_head(self) -> Linear:
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
@@ -189,8 +200,12 @@ class CausalLM:
         positions: torch.Tensor | None = None,  # [T] rope positions; default cache.length + arange
         mask: torch.Tensor | None = None,  # [T, cache.length + T] bool; default causal
         logits_for: slice | torch.Tensor | None = None,  # which rows get logits; None = all
+        plan: LayerPlan | None = None,  # run the layers under this plan (None: all, in order)
     ) -> torch.Tensor:
-        """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``."""
+        """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``.
+
+        Under a ``plan``, skipped attention sub-layers write no K/V (their cache rows for these
+        slots stay stale; a later exact forward over the same slots overwrites them)."""
         t = tokens.shape[0]
         start = cache.length
         cache.check_room(t)
@@ -203,10 +218,13 @@ class CausalLM:
             mask = causal_mask(start, t, self.device)
             causal = False
         h = self.embed(tokens)  # [T, H]
-        for li, layer in enumerate(self.layers):
-            lin = self.linears[li]
-            h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, mask, causal)
-            h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
+        if plan is None or plan.is_identity:
+            for li, layer in enumerate(self.layers):
+                lin = self.linears[li]
+                h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, mask, causal)
+                h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
+        else:
+            h = run_blocks(self, self.compiled(plan), h, AttnInputs(cache, cos, sin, mask, causal), self.group_executor)
         cache.advance(t)
         if logits_for is not None:
             h = h[logits_for]

@@ -9,9 +9,12 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from search_spaces.errors import StrategyError
+from search_spaces.layer_plan import LayerPlan
+
 SCHEMA_VERSION = 1
 
-DRAFTER_KINDS = ("none", "draft-model", "prompt-lookup")
+DRAFTER_KINDS = ("none", "draft-model", "layer-skip", "prompt-lookup")
 DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
@@ -21,16 +24,20 @@ DEFAULT_TREE_WIDTHS: tuple[int, ...] = (2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 SWIFT_DYNAMIC_WIDTHS: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.95, 3), (1.0, 1))
 
 
-class StrategyError(ValueError):
-    """A strategy field holds an invalid value; the message names field, value and allowed range."""
-
-
 @dataclass(frozen=True)
 class Strategy:
     """How to decode.
 
-    - ``drafter``: ``none`` (plain decoding), ``draft-model`` (a smaller model of the family) or
-      ``prompt-lookup`` (copy the continuation of the latest matching n-gram of the context).
+    - ``drafter``: ``none`` (plain decoding), ``draft-model`` (a smaller model of the family),
+      ``layer-skip`` (the target itself with ``layer_plan`` skipping layers: SWIFT
+      self-speculation) or ``prompt-lookup`` (copy the continuation of the latest matching n-gram
+      of the context).
+    - ``layer_plan``: how the drafting model runs its layers (see ``search_spaces.layer_plan``):
+      layer-parallel groups (EasySpec fuzzy drafting) and skipped sub-layers. ``None`` = all
+      layers in order. Required for ``layer-skip``; not allowed for ``prompt-lookup``/``none``.
+    - ``calibrate``: EasySpec bonus calibration for a draft model with layer-parallel groups:
+      after each verification the draft's fuzzy KV rows are discarded and accepted + bonus tokens
+      re-run exactly in one forward. Off only for ablations.
     - ``draft_length``: tokens drafted per round (gamma).
     - ``draft_precision``: arithmetic of the draft (``auto`` = int8 on CPU, bfloat16 on GPU). Only
       the target must be exact, so a low-precision draft stays lossless: the target verifies
@@ -55,6 +62,8 @@ class Strategy:
     confidence_threshold: float = 0.6
     tree_widths: tuple[int, ...] | None = None
     dynamic_widths: tuple[tuple[float, int], ...] | None = None
+    layer_plan: LayerPlan | None = None
+    calibrate: bool = True
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -65,6 +74,7 @@ class Strategy:
             _check_int("draft_vocab", self.draft_vocab, 1, 10**7)
         _check_float("confidence_threshold", self.confidence_threshold, 0.0, 1.0)
         self._check_tree()
+        self._check_plan()
         if self.schema_version != SCHEMA_VERSION:
             raise StrategyError(
                 f"schema_version={self.schema_version!r} is not supported (this build reads {SCHEMA_VERSION})"
@@ -91,6 +101,21 @@ class Strategy:
                 raise StrategyError("tree_widths and dynamic_widths are exclusive; set one of them")
             _check_table(self.dynamic_widths)
 
+    def _check_plan(self) -> None:
+        if not isinstance(self.calibrate, bool):
+            raise StrategyError(f"calibrate={self.calibrate!r} must be true or false")
+        plan = self.layer_plan
+        if plan is not None and not isinstance(plan, LayerPlan):
+            raise StrategyError(f"layer_plan={plan!r} must be a layer plan object")
+        if self.drafter == "layer-skip":
+            if plan is None or not (plan.skip_attn or plan.skip_mlp):
+                raise StrategyError(
+                    "layer_plan: drafter 'layer-skip' needs a plan that skips at least one sub-layer "
+                    "(e.g. --skip-ratio 0.45)"
+                )
+        elif plan is not None and self.drafter != "draft-model":
+            raise StrategyError(f"layer_plan is only used by drafters draft-model and layer-skip, not '{self.drafter}'")
+
     @property
     def max_tree_nodes(self) -> int:
         """Upper bound on draft tokens per verify pass."""
@@ -101,7 +126,9 @@ class Strategy:
         return self.drafter != "none"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["layer_plan"] = None if self.layer_plan is None else self.layer_plan.to_dict()
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -119,6 +146,8 @@ class Strategy:
             data["tree_widths"] = tuple(data["tree_widths"])
         if isinstance(data.get("dynamic_widths"), list):
             data["dynamic_widths"] = tuple(tuple(row) if isinstance(row, list) else row for row in data["dynamic_widths"])
+        if data.get("layer_plan") is not None:
+            data["layer_plan"] = LayerPlan.from_dict(data["layer_plan"])
         return cls(**data)
 
     @classmethod

@@ -1,0 +1,191 @@
+"""Executing a model under a layer plan: skipped sub-layers and layer-parallel ("fuzzy") groups.
+
+EasySpec algorithm 2, for a group of consecutive layers ``1..N`` with input ``h_1``::
+
+    a_i = Attn_i(h_1)                      for every member (no dependency between them)
+    h'_i = h_i + a_i;  h_{i+1} = h'_i + MLP_i(h'_i)   in order
+
+How a group's attention sub-layers are computed is a registry (``GROUP_EXECUTORS``):
+
+- ``batched``: one batched call over the members' stacked q/k/v/o weights (one device);
+- ``loop``: the same algorithm, one member after another (the reference the tests compare with);
+- ``distributed`` (``runtime.distributed``): one member per rank, results gathered.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from runtime.errors import RuntimeUserError
+from search_spaces.layer_plan import LayerPlan
+
+if TYPE_CHECKING:
+    from runtime.kv_cache import KVCache
+    from runtime.transformer import CausalLM
+
+
+@dataclass
+class GroupWeights:
+    """The attention weights of a group's executed members, stacked along a leading axis."""
+
+    members: tuple[int, ...]  # layers of the group whose attention runs
+    norm_w: torch.Tensor  # [N, H]
+    eps: float
+    w_qkv: torch.Tensor  # [N, H, Dq + 2 Dkv]
+    b_qkv: torch.Tensor | None  # [N, 1, Dq + 2 Dkv]
+    w_o: torch.Tensor  # [N, Dq, H]
+    b_o: torch.Tensor | None  # [N, 1, H]
+
+    @property
+    def layer_slice(self) -> slice | None:
+        """The cache layers as one slice when the members are consecutive."""
+        first, last = self.members[0], self.members[-1]
+        return slice(first, last + 1) if last - first + 1 == len(self.members) else None
+
+
+@dataclass
+class Block:
+    layers: tuple[int, ...]
+    group: GroupWeights | None  # None: a single layer run normally
+
+
+@dataclass
+class CompiledPlan:
+    plan: LayerPlan
+    blocks: list[Block]
+
+
+def check_plan_fits(plan: LayerPlan, n_layers: int, what: str = "model") -> None:
+    if plan.n_layers != n_layers:
+        raise RuntimeUserError(
+            f"layer_plan is for a model with {plan.n_layers} layers but the {what} has {n_layers}; "
+            "build the plan for this model (e.g. --lp-size / --skip-ratio) or retune"
+        )
+
+
+def compile_plan(lm: "CausalLM", plan: LayerPlan) -> CompiledPlan:
+    check_plan_fits(plan, lm.dims.n_layers)
+    skip = set(plan.skip_attn)
+    blocks = []
+    for layers in plan.blocks():
+        members = tuple(li for li in layers if li not in skip)
+        group = _stack(lm, members) if len(layers) > 1 and members else None
+        blocks.append(Block(layers, group))
+    return CompiledPlan(plan, blocks)
+
+
+def _stack(lm: "CausalLM", members: tuple[int, ...]) -> GroupWeights:
+    attns = [lm.layers[li].self_attn for li in members]
+    norms = [lm.layers[li].input_layernorm for li in members]
+
+    def cat_bias(mods: list[Any]) -> torch.Tensor | None:
+        if all(getattr(m, "bias", None) is None for m in mods):
+            return None
+        return torch.cat([m.bias if m.bias is not None else torch.zeros(m.weight.shape[0]) for m in mods])
+
+    w_qkv, b_qkv = [], []
+    for a in attns:
+        mods = [a.q_proj, a.k_proj, a.v_proj]
+        w_qkv.append(torch.cat([m.weight for m in mods]).t())
+        b_qkv.append(cat_bias(mods))
+    has_b = any(b is not None for b in b_qkv)
+    o_bias = [getattr(a.o_proj, "bias", None) for a in attns]
+    return GroupWeights(
+        members=members,
+        norm_w=torch.stack([n.weight.detach() for n in norms]),
+        eps=float(getattr(norms[0], "variance_epsilon", getattr(norms[0], "eps", 1e-6))),
+        w_qkv=torch.stack(w_qkv).detach().contiguous(),
+        b_qkv=torch.stack([b for b in b_qkv])[:, None, :].detach() if has_b else None,
+        w_o=torch.stack([a.o_proj.weight.t() for a in attns]).detach().contiguous(),
+        b_o=torch.stack(o_bias)[:, None, :].detach() if all(b is not None for b in o_bias) else None,
+    )
+
+
+@dataclass
+class AttnInputs:
+    """What every attention sub-layer of one forward shares."""
+
+    cache: "KVCache"
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # [T, S] bool or None (attend to all)
+    causal: bool
+
+
+GroupExecutor = Callable[["CausalLM", GroupWeights, torch.Tensor, AttnInputs], dict[int, torch.Tensor]]
+
+
+def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
+    """Reference: each member's attention on the group input, one after another."""
+    return {
+        li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a.cache, a.cos, a.sin, a.mask, a.causal)
+        for li in g.members
+    }
+
+
+def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
+    """All members' attention in one batched computation over stacked weights."""
+    from runtime.transformer import apply_rope
+
+    d = lm.dims
+    n, t = len(g.members), h1.shape[0]
+    dq, dkv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
+    # RMSNorm of the shared input once, scaled by every member's own weight (as HF computes it)
+    hf = h1.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + g.eps)).to(h1.dtype)
+    x = g.norm_w[:, None, :] * normed[None]  # [N, T, H]
+    qkv = torch.baddbmm(g.b_qkv, x, g.w_qkv) if g.b_qkv is not None else torch.bmm(x, g.w_qkv)
+    q = qkv[..., :dq].reshape(n, t, d.n_heads, d.head_dim).transpose(1, 2)  # [N, H, T, D]
+    k = qkv[..., dq : dq + dkv].reshape(n, t, d.n_kv_heads, d.head_dim).transpose(1, 2)
+    v = qkv[..., dq + dkv :].reshape(n, t, d.n_kv_heads, d.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+    layers = g.layer_slice
+    if layers is not None:
+        keys, values = a.cache.write_layers(layers, k, v)  # [N, Hkv, S, D]
+    else:
+        kv = [a.cache.write(li, k[i], v[i]) for i, li in enumerate(g.members)]
+        keys, values = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])
+    mask = a.mask
+    if mask is None and a.causal:
+        from runtime.transformer import causal_mask
+
+        mask = causal_mask(0, t, h1.device)
+    rep = d.n_heads // d.n_kv_heads
+    qp = q.reshape(n, d.n_kv_heads, rep * t, d.head_dim)
+    mp = None if mask is None else mask.repeat(rep, 1)[None, None]
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mp, scale=lm.scale)
+    out = out.reshape(n, d.n_heads, t, d.head_dim).transpose(1, 2).reshape(n, t, dq)
+    o = torch.baddbmm(g.b_o, out, g.w_o) if g.b_o is not None else torch.bmm(out, g.w_o)  # [N, T, H]
+    return {li: o[i] for i, li in enumerate(g.members)}
+
+
+GROUP_EXECUTORS: dict[str, GroupExecutor] = {
+    "batched": batched_group,
+    "loop": loop_group,
+}
+
+
+def run_blocks(
+    lm: "CausalLM", cp: CompiledPlan, h: torch.Tensor, a: AttnInputs, executor: str = "batched"
+) -> torch.Tensor:
+    """The decoder layers of ``lm`` under a compiled plan: ``h`` ``[T, H]`` in, ``[T, H]`` out."""
+    plan = cp.plan
+    skip_attn, skip_mlp = set(plan.skip_attn), set(plan.skip_mlp)
+    run_group = GROUP_EXECUTORS[executor]
+    for block in cp.blocks:
+        attn_out: dict[int, torch.Tensor] = {}
+        if block.group is not None:
+            attn_out = run_group(lm, block.group, h, a)
+        for li in block.layers:
+            layer, lin = lm.layers[li], lm.linears[li]
+            if block.group is None and li not in skip_attn:
+                h = h + lm.attention(lin, layer.input_layernorm(h), li, a.cache, a.cos, a.sin, a.mask, a.causal)
+            elif li in attn_out:
+                h = h + attn_out[li]
+            if li not in skip_mlp:
+                h = h + lm.mlp(lin, layer, layer.post_attention_layernorm(h))
+    return h

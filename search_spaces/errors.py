@@ -1,0 +1,5 @@
+"""Errors of the search_spaces package."""
+
+
+class StrategyError(ValueError):
+    """A strategy field holds an invalid value; the message names field, value and allowed range."""
