@@ -13,8 +13,9 @@ from tqdm import tqdm
 
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.pipeline import ModelPool, build_decoder, eos_ids
+from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype, eos_ids
 from runtime.stats import DecodeStats
+from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
 from autotune.errors import CliError
@@ -27,6 +28,9 @@ class BenchContext:
     draft_name: str | None
     dtype: str
     strategy: Strategy
+    lp_size: int = 4  # EasySpec layer-parallel size for method `easyspec`
+    skip_ratio: float = 0.45  # SWIFT uniform skip ratio for method `selfspec`
+    options: dict[str, str] = field(default_factory=dict)  # per-method overrides (`easyspec:lp2:nocal`)
 
 
 @dataclass
@@ -69,7 +73,9 @@ def _hf_assisted(ctx: BenchContext) -> Method:
 
 def _ours(strategy_of: Callable[[BenchContext], Strategy]) -> MethodFactory:
     def factory(ctx: BenchContext) -> Method:
-        decoder = build_decoder(ctx.pool, ctx.target, strategy_of(ctx), ctx.draft_name)
+        strategy = strategy_of(ctx)
+        draft = ctx.draft_name if strategy.drafter == "draft-model" else None
+        decoder = build_decoder(ctx.pool, ctx.target, strategy, draft)
 
         def run(prompt: list[int], cfg: GenerationConfig) -> MethodRun:
             result = decoder.generate(prompt, cfg)
@@ -101,6 +107,27 @@ def _lookup_strategy(ctx: BenchContext) -> Strategy:
     return Strategy(drafter="prompt-lookup", draft_length=ctx.strategy.draft_length)
 
 
+def _easyspec_strategy(ctx: BenchContext) -> Strategy:
+    """The command line's draft strategy with EasySpec's default layer-parallel plan (table 6)."""
+    if ctx.draft_name is None:
+        raise CliError("method 'easyspec' needs a draft model; pass --draft MODEL")
+    lp = int(ctx.options.get("lp", ctx.lp_size))
+    n_layers = ctx.pool.get(ctx.draft_name, draft_load_dtype(ctx.strategy, ctx.pool.device)).hf_model.config.num_hidden_layers
+    calibrate = ctx.options.get("cal", "on" if ctx.strategy.calibrate else "off") == "on"
+    return replace(ctx.strategy, layer_plan=easyspec_plan(n_layers, lp), calibrate=calibrate)
+
+
+def _selfspec_strategy(ctx: BenchContext) -> Strategy:
+    """SWIFT self-speculation: the target with a uniform layer skip (``--skip-ratio``)."""
+    ratio = float(ctx.options.get("r", ctx.skip_ratio))
+    n_layers = ctx.target.hf_model.config.num_hidden_layers
+    s = ctx.strategy
+    return Strategy(
+        drafter="layer-skip", draft_length=s.draft_length, confidence_threshold=s.confidence_threshold,
+        tree_widths=s.tree_widths, dynamic_widths=s.dynamic_widths, layer_plan=uniform_skip_plan(n_layers, ratio),
+    )
+
+
 METHODS: dict[str, MethodFactory] = {
     "hf": _hf,
     "hf-assisted": _hf_assisted,
@@ -108,7 +135,43 @@ METHODS: dict[str, MethodFactory] = {
     "sd": _ours(_sd_strategy),
     "sd-tree": _ours(_tree_strategy),
     "lookup": _ours(_lookup_strategy),
+    "easyspec": _ours(_easyspec_strategy),
+    "selfspec": _ours(_selfspec_strategy),
 }
+
+# method options, written `name:opt:opt` (e.g. `easyspec:lp2:nocal`, `selfspec:r0.3`): prefix -> (key, value)
+METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
+    "lp": lambda rest: ("lp", str(int(rest))),
+    "r": lambda rest: ("r", str(float(rest))),
+    "nocal": lambda rest: ("cal", "off"),
+    "cal": lambda rest: ("cal", "on"),
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str  # as written on the command line; the report's key
+    name: str  # the METHODS entry
+    options: tuple[tuple[str, str], ...] = ()
+
+
+def parse_method(text: str) -> MethodSpec:
+    name, *opts = text.split(":")
+    if name not in METHODS:
+        raise CliError(f"unknown bench method {name!r}; choose from {', '.join(METHODS)}")
+    parsed = []
+    for opt in opts:
+        prefix = next((p for p in sorted(METHOD_OPTIONS, key=len, reverse=True) if opt.startswith(p)), None)
+        try:
+            if prefix is None or (prefix in ("nocal", "cal") and opt != prefix):
+                raise ValueError
+            parsed.append(METHOD_OPTIONS[prefix](opt[len(prefix):]))
+        except ValueError:
+            raise CliError(
+                f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
+                "ratio), cal / nocal (bonus calibration), e.g. easyspec:lp2:nocal"
+            ) from None
+    return MethodSpec(text, name, tuple(parsed))
 
 
 @dataclass
@@ -117,21 +180,21 @@ class MethodTotals:
     outputs: list[list[int]] = field(default_factory=list)
 
 
-def parse_methods(text: str) -> list[str]:
+def parse_methods(text: str) -> list[MethodSpec]:
     names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if not names or unknown:
-        raise CliError(f"unknown bench method(s) {unknown or text!r}; choose from {', '.join(METHODS)}")
+    if not names:
+        raise CliError(f"no bench method in {text!r}; choose from {', '.join(METHODS)}")
     if len(set(names)) != len(names):
         raise CliError(f"bench method listed twice in {text!r}")
-    return names
+    return [parse_method(n) for n in names]
 
 
 def run_bench(
-    ctx: BenchContext, methods: list[str], prompts: list[list[int]], cfg: GenerationConfig, warmup_tokens: int = 8
+    ctx: BenchContext, specs: list[MethodSpec], prompts: list[list[int]], cfg: GenerationConfig, warmup_tokens: int = 8
 ) -> dict[str, Any]:
     """Warm every method up, then run prompt by prompt, methods interleaved; summarise."""
-    runners = {name: METHODS[name](ctx) for name in methods}
+    runners = {spec.label: METHODS[spec.name](replace(ctx, options=dict(spec.options))) for spec in specs}
+    methods = [spec.label for spec in specs]
     warm = GenerationConfig(max_new_tokens=min(warmup_tokens, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
     for runner in runners.values():
         runner(prompts[0], warm)
@@ -151,10 +214,10 @@ def summarise(totals: dict[str, MethodTotals], methods: list[str]) -> dict[str, 
     baseline = "hf" if "hf" in totals else ("vanilla" if "vanilla" in totals else methods[0])
     base = totals[baseline]
     report: dict[str, Any] = {"baseline": baseline, "methods": {}}
-    speculative = {"sd", "sd-tree", "lookup", "hf-assisted"}
+    speculative = {"sd", "sd-tree", "lookup", "hf-assisted", "easyspec", "selfspec"}
     for name in methods:
         s = totals[name].stats
-        drafted = s.drafted > 0 or name in speculative
+        drafted = s.drafted > 0 or name.split(":")[0] in speculative
         report["methods"][name] = {
             "tokens_per_s": s.tokens_per_s,
             "new_tokens": s.new_tokens,

@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt_args(bench, need_task=True)
     _add_strategy_args(bench)
     bench.add_argument(
-        "--methods", default="hf,vanilla,sd", help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup"
+        "--methods", default="hf,vanilla,sd",
+        help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec; options "
+        "after colons, e.g. easyspec:lp2:nocal, selfspec:r0.3",
     )
+    bench.add_argument("--lp-size", type=int, default=4, help="EasySpec layer-parallel size for method easyspec")
+    bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     return parser
 
@@ -205,7 +209,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     checker = build_decoder(pool, target, PLAIN, None)
     for _, ids in prompts:
         checker.check_fits(len(ids), cfg)
-    ctx = BenchContext(pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy)
+    ctx = BenchContext(
+        pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy,
+        lp_size=args.lp_size, skip_ratio=args.skip_ratio,
+    )
     report = run_bench(ctx, methods, [ids for _, ids in prompts], cfg)
     report["config"] = {
         "model": target.model_id, "draft": args.draft, "task": args.task, "limit": len(prompts),

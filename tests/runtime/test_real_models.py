@@ -86,3 +86,23 @@ def test_prompt_lookup_is_lossless_on_real_model(pool, smollm):
     got = build_decoder(pool, smollm, Strategy(drafter="prompt-lookup", draft_length=6)).generate(ids, cfg)
     assert got.tokens == hf_greedy(smollm, ids, 32)
     assert got.stats.drafted > 0
+
+
+def test_smollm_layer_plans_equal_hf(pool, smollm):
+    """EasySpec fuzzy drafting and SWIFT self-speculation on a real model stay token-identical."""
+    from search_spaces import easyspec_plan, uniform_skip_plan
+
+    n = smollm.hf_model.config.num_hidden_layers
+    cfg = GenerationConfig(max_new_tokens=24, eos_token_ids=eos_ids(smollm))
+    strategies = [
+        (Strategy(draft_length=4, draft_precision="float32", layer_plan=easyspec_plan(n, 3)), "smollm2-135m"),
+        (Strategy(draft_length=4, draft_precision="float32", layer_plan=easyspec_plan(n, 2), calibrate=False), "smollm2-135m"),
+        (Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(n, 0.2)), None),
+        (Strategy(drafter="layer-skip", draft_length=3, tree_widths=(2, 1, 1), layer_plan=uniform_skip_plan(n, 0.2)), None),
+    ]
+    for ids in prompt_ids(smollm, "gsm8k", 1):
+        want = hf_greedy(smollm, ids, 24)
+        for strategy, draft in strategies:
+            got = build_decoder(pool, smollm, strategy, draft).generate(ids, cfg)
+            assert got.tokens == want, strategy
+            assert got.stats.drafted > 0
