@@ -1,0 +1,396 @@
+"""Search spaces: families of strategies encoded as Optuna parameters.
+
+A space turns a trial into a valid ``Strategy`` (``define``, define-by-run: it works with any
+``optuna.trial.Trial``, ``FixedTrial`` included) and a strategy back into the parameters that
+reproduce it (``encode``, for ``study.enqueue_trial`` and ``FixedTrial``). Fields a space does not
+tune come from ``SpaceContext.base``.
+
+Parameters shared by several spaces:
+
+- ``draft_length`` (int ``2..max_draft_length``): tokens drafted per round (gamma).
+- ``confidence_threshold`` (float ``0..0.9``, step 0.05): SWIFT's early stop of a draft chain once
+  the draft's top-1 probability falls below it; 0 disables.
+
+Spaces that do not tune the tree keep the base's shape: its ``dynamic_widths`` as they are, its
+``tree_widths`` cut or padded with 1s to the drafted length.
+
+The layer-skip spaces follow SWIFT (section 4.1): a fixed skip ratio ``r`` and a search over which
+attention/MLP sub-layers of layers ``1..n-2`` are skipped (first and last layers always run);
+SWIFT proposes candidates by random search with a Bayesian-optimisation step every beta-th step,
+which the tuner reproduces with Optuna samplers over these parameters. ``easyspec`` searches
+EasySpec's layer-parallel plans (appendix B: the paper notes the best plan depends on model and data).
+"""
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from search_spaces.errors import SpaceError, StrategyError
+from search_spaces.layer_plan import LayerPlan, easyspec_plan, uniform_skip_plan
+from search_spaces.strategy import MAX_TREE_NODES, SWIFT_DYNAMIC_WIDTHS, Strategy
+
+if TYPE_CHECKING:  # optuna is imported only when a space is used: `import search_spaces` stays light
+    import optuna
+
+MIN_DRAFT_LENGTH = 2
+# SWIFT's maximum draft length N_D; also the longest chain whose swift-dynamic tree fits MAX_TREE_NODES
+MAX_SPACE_DRAFT_LENGTH = MAX_TREE_NODES // max(k for _, k in SWIFT_DYNAMIC_WIDTHS)
+MAX_THRESHOLD, THRESHOLD_STEP = 0.9, 0.05
+MAX_LP_SIZE = 4
+
+# tree menu of the `draft` space: name -> (leading tree widths, then 1s up to draft_length; dynamic table).
+# "chain" is no tree; "swift-dynamic" is a chain offering SWIFT's confidence-dependent top-k per position.
+TREE_SHAPES: dict[str, tuple[tuple[int, ...] | None, tuple[tuple[float, int], ...] | None]] = {
+    "chain": (None, None),
+    "2-1": ((2,), None),
+    "2-2-1": ((2, 2), None),
+    "4-2-1": ((4, 2), None),
+    "swift-dynamic": (None, SWIFT_DYNAMIC_WIDTHS),
+}
+
+
+@dataclass(frozen=True)
+class SpaceContext:
+    """What a space needs besides the trial.
+
+    - ``n_layers``: layers of the model whose plan is tuned (the target for ``layer-skip*``, the
+      draft model for ``easyspec``).
+    - ``base``: the strategy supplying every field the space does not tune.
+    - ``skip_ratio``: SWIFT's fixed skip ratio r of the ``layer-skip`` space (and of the uniform
+      reference plan of both layer-skip spaces).
+    - ``max_draft_length``: upper bound of the ``draft_length`` parameter (2..25).
+    """
+
+    n_layers: int
+    base: Strategy = Strategy()
+    skip_ratio: float = 0.45
+    max_draft_length: int = 12
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise SpaceError(f"n_layers={self.n_layers!r} must be a positive integer")
+        if not isinstance(self.base, Strategy):
+            raise SpaceError(f"base={self.base!r} must be a Strategy")
+        r = self.skip_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0:
+            raise SpaceError(f"skip_ratio={r!r} must be a number in [0, 1)")
+        m = self.max_draft_length
+        if isinstance(m, bool) or not isinstance(m, int) or not MIN_DRAFT_LENGTH <= m <= MAX_SPACE_DRAFT_LENGTH:
+            raise SpaceError(
+                f"max_draft_length={m!r} must be an integer in {MIN_DRAFT_LENGTH}..{MAX_SPACE_DRAFT_LENGTH}"
+            )
+        try:  # node counts grow with the length: the base's tree shape must fit at the longest draft
+            replace(self.base, draft_length=m, tree_widths=_fit_widths(self.base.tree_widths, m))
+        except StrategyError as exc:
+            raise SpaceError(f"the base strategy's tree shape does not fit max_draft_length={m}: {exc}") from exc
+
+
+class SearchSpace(ABC):
+    """A family of strategies as Optuna parameters.
+
+    ``conditional`` is True when some parameters exist only for some values of others (the tuner
+    then uses TPE rather than GPSampler for its Bayesian steps).
+    """
+
+    name: str
+    drafter: str
+    conditional: bool = False
+
+    @abstractmethod
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        """Suggest this space's parameters on ``trial`` and return the strategy they give."""
+
+    @abstractmethod
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        """Parameters meant to reproduce ``strategy`` (may hold some that ``define`` does not ask)."""
+
+    @abstractmethod
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        """Parameters of the untuned reference strategy."""
+
+    def encode(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        """The parameters ``define`` needs to reproduce ``strategy`` exactly; ``SpaceError`` when
+        ``strategy`` is not a point of this space (in this context). A draft model's identity
+        layer plan counts as no plan."""
+        if strategy.drafter != self.drafter:
+            raise SpaceError(f"space '{self.name}' holds drafter '{self.drafter}' strategies, not '{strategy.drafter}'")
+        plan = strategy.layer_plan
+        if strategy.drafter == "draft-model" and plan is not None and plan.is_identity:
+            strategy = replace(strategy, layer_plan=None)
+        params = self._params(strategy, ctx)
+        trial, rebuilt = self._replay(params, ctx)
+        outside = [n for n, d in trial.distributions.items() if not d._contains(d.to_internal_repr(params[n]))]
+        if rebuilt != strategy or outside:
+            differ = [f.name for f in fields(Strategy) if getattr(rebuilt, f.name) != getattr(strategy, f.name)]
+            raise SpaceError(
+                f"strategy is not a point of space '{self.name}': {', '.join(differ + outside)} outside what "
+                "its parameters can give (fields it does not tune must equal the context's base)"
+            )
+        return {name: params[name] for name in trial.params}
+
+    def uniform(self, ctx: SpaceContext) -> Strategy:
+        """The untuned reference strategy this space starts from (the tuner's first trial)."""
+        return self._replay(self._reference_params(ctx), ctx)[1]
+
+    def _replay(self, params: dict[str, Any], ctx: SpaceContext) -> tuple[optuna.trial.FixedTrial, Strategy]:
+        from optuna.trial import FixedTrial
+
+        trial = FixedTrial(params)
+        try:
+            with warnings.catch_warnings():  # out-of-range values are reported by encode
+                warnings.simplefilter("ignore")
+                return trial, self.define(trial, ctx)
+        except SpaceError:
+            raise
+        except ValueError as exc:
+            raise SpaceError(f"parameters {params} are not a point of space '{self.name}': {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------- shared pieces
+def _fit_widths(widths: tuple[int, ...] | None, length: int) -> tuple[int, ...] | None:
+    """``widths`` cut or padded with 1s to ``length`` depths (``None`` stays a chain)."""
+    return None if widths is None else (tuple(widths) + (1,) * length)[:length]
+
+
+def _suggest_length(trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> int:
+    return trial.suggest_int("draft_length", MIN_DRAFT_LENGTH, ctx.max_draft_length)
+
+
+def _suggest_threshold(trial: optuna.trial.BaseTrial) -> float:
+    return trial.suggest_float("confidence_threshold", 0.0, MAX_THRESHOLD, step=THRESHOLD_STEP)
+
+
+def _drafting(trial: optuna.trial.BaseTrial, ctx: SpaceContext, tree: Any = None, **changes: Any) -> Strategy:
+    """The base with tuned draft length and threshold, ``changes``, and ``tree`` (a ``TREE_SHAPES``
+    value; default the base's shape) with its widths fitted to the length."""
+    length = _suggest_length(trial, ctx)
+    head, dynamic = tree or (ctx.base.tree_widths, ctx.base.dynamic_widths)
+    return replace(ctx.base, draft_length=length, confidence_threshold=_suggest_threshold(trial),
+                   tree_widths=_fit_widths(head, length), dynamic_widths=dynamic, **changes)
+
+
+def _drafting_params(s: Strategy) -> dict[str, Any]:
+    return {"draft_length": s.draft_length, "confidence_threshold": s.confidence_threshold}
+
+
+def _reference_drafting(ctx: SpaceContext) -> dict[str, Any]:
+    """The base's draft length and threshold moved to the nearest values the spaces allow."""
+    b = ctx.base
+    threshold = round(min(max(round(b.confidence_threshold / THRESHOLD_STEP) * THRESHOLD_STEP, 0.0), MAX_THRESHOLD), 2)
+    return {"draft_length": min(max(b.draft_length, MIN_DRAFT_LENGTH), ctx.max_draft_length),
+            "confidence_threshold": threshold}
+
+
+def _sublayers(ctx: SpaceContext) -> list[tuple[int, str]]:
+    """Skippable sub-layers in index order: (1, attn), (1, mlp), ..., (n-2, mlp)."""
+    if ctx.n_layers < 3:
+        raise SpaceError(f"layer-skip spaces need a model of at least 3 layers, got n_layers={ctx.n_layers}")
+    return [(i, kind) for i in range(1, ctx.n_layers - 1) for kind in ("attn", "mlp")]
+
+
+def _skip_plan(ctx: SpaceContext, skipped: list[tuple[int, str]]) -> LayerPlan:
+    return LayerPlan(
+        n_layers=ctx.n_layers,
+        skip_attn=tuple(sorted(i for i, kind in skipped if kind == "attn")),
+        skip_mlp=tuple(sorted(i for i, kind in skipped if kind == "mlp")),
+    )
+
+
+def _skipped(plan: LayerPlan | None) -> set[tuple[int, str]]:
+    if plan is None:
+        return set()
+    return {(i, "attn") for i in plan.skip_attn} | {(i, "mlp") for i in plan.skip_mlp}
+
+
+# ---------------------------------------------------------------------------------- the spaces
+class LayerSkipSpace(SearchSpace):
+    """SWIFT self-speculation at a fixed skip ratio.
+
+    ``s_attn_{i}`` / ``s_mlp_{i}`` (float 0..1, layers i = 1..n-2): a score per sub-layer; the
+    ``skip_count`` highest scores are skipped (ties: lower layer first, attention before MLP).
+    Continuous, so GPSampler applies. Plus ``draft_length`` and ``confidence_threshold``.
+    """
+
+    name, drafter = "layer-skip", "layer-skip"
+
+    @staticmethod
+    def skip_count(ctx: SpaceContext) -> int:
+        """``round(r * 2 * n_layers)`` sub-layers, clipped to 1..the skippable ones."""
+        return max(1, min(len(_sublayers(ctx)), round(ctx.skip_ratio * 2 * ctx.n_layers)))
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        subs = _sublayers(ctx)
+        scores = [trial.suggest_float(f"s_{kind}_{i}", 0.0, 1.0) for i, kind in subs]
+        top = sorted(range(len(subs)), key=lambda j: (-scores[j], j))[: self.skip_count(ctx)]
+        return _drafting(trial, ctx, drafter=self.drafter, layer_plan=_skip_plan(ctx, [subs[j] for j in top]))
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        return {**self._scores(strategy.layer_plan, ctx), **_drafting_params(strategy)}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        # SWIFT's uniform whole-layer skip; where its 2*round(r*n) sub-layers differ from the fixed
+        # count, the score ranking above drops/adds one sub-layer
+        return {**self._scores(uniform_skip_plan(ctx.n_layers, ctx.skip_ratio), ctx), **_reference_drafting(ctx)}
+
+    @staticmethod
+    def _scores(plan: LayerPlan | None, ctx: SpaceContext) -> dict[str, float]:
+        skipped = _skipped(plan)
+        return {f"s_{kind}_{i}": 1.0 if (i, kind) in skipped else 0.0 for i, kind in _sublayers(ctx)}
+
+
+class LayerSkipFreeSpace(SearchSpace):
+    """SWIFT layer skipping without a fixed count.
+
+    ``skip_attn_{i}`` / ``skip_mlp_{i}`` (int 0/1, layers i = 1..n-2): 1 skips that sub-layer.
+    A trial skipping nothing (not a valid self-drafter) skips the attention of layer ``n // 2``.
+    Plus ``draft_length`` and ``confidence_threshold``.
+    """
+
+    name, drafter = "layer-skip-free", "layer-skip"
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        skipped = [(i, kind) for i, kind in _sublayers(ctx) if trial.suggest_int(f"skip_{kind}_{i}", 0, 1)]
+        plan = _skip_plan(ctx, skipped or [(ctx.n_layers // 2, "attn")])
+        return _drafting(trial, ctx, drafter=self.drafter, layer_plan=plan)
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        return {**self._flags(strategy.layer_plan, ctx), **_drafting_params(strategy)}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        return {**self._flags(uniform_skip_plan(ctx.n_layers, ctx.skip_ratio), ctx), **_reference_drafting(ctx)}
+
+    @staticmethod
+    def _flags(plan: LayerPlan | None, ctx: SpaceContext) -> dict[str, int]:
+        skipped = _skipped(plan)
+        return {f"skip_{kind}_{i}": int((i, kind) in skipped) for i, kind in _sublayers(ctx)}
+
+
+def lp_groups(n_layers: int, lp_size: int, first_size: int) -> tuple[tuple[int, int], ...]:
+    """EasySpec-style layer-parallel groups: layer 0 and the last layer alone, a first group of
+    ``first_size`` layers from layer 1, then groups of ``lp_size``, the remainder before the last
+    layer as the final group (one-layer "groups" run normally). ``first_size = min(lp_size, 3)``
+    gives ``easyspec_plan``."""
+    groups: list[tuple[int, int]] = []
+    start, size = 1, first_size
+    while start <= n_layers - 2:
+        last = min(start + size - 1, n_layers - 2)
+        if last > start:
+            groups.append((start, last))
+        start, size = last + 1, lp_size
+    return tuple(groups)
+
+
+class EasySpecSpace(SearchSpace):
+    """A draft model with EasySpec layer-parallel (fuzzy) groups.
+
+    - ``lp_size`` (int 1..4): layers per group; 1 = no groups.
+    - ``first_size`` (int 1..lp_size, only when lp_size > 1): size of the first group after layer
+      0, i.e. where the group boundaries fall (see ``lp_groups``).
+    - ``calibrate`` (True/False, only when the plan has groups): EasySpec's bonus calibration;
+      without groups it comes from the base.
+    - ``draft_length``, ``confidence_threshold``.
+    """
+
+    name, drafter, conditional = "easyspec", "draft-model", True
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        lp_size = trial.suggest_int("lp_size", 1, MAX_LP_SIZE)
+        first_size = trial.suggest_int("first_size", 1, lp_size) if lp_size > 1 else 1
+        groups = lp_groups(ctx.n_layers, lp_size, first_size)
+        if not groups:
+            return _drafting(trial, ctx, drafter=self.drafter, layer_plan=None)
+        calibrate = trial.suggest_categorical("calibrate", [True, False])
+        plan = LayerPlan(n_layers=ctx.n_layers, groups=groups)
+        return _drafting(trial, ctx, drafter=self.drafter, layer_plan=plan, calibrate=calibrate)
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        groups = () if strategy.layer_plan is None else strategy.layer_plan.groups
+        return {**self._sizes(groups, ctx), "calibrate": strategy.calibrate, **_drafting_params(strategy)}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        groups = easyspec_plan(ctx.n_layers, MAX_LP_SIZE).groups  # EasySpec's default N=4, with calibration
+        return {**self._sizes(groups, ctx), "calibrate": True, **_reference_drafting(ctx)}
+
+    def _sizes(self, groups: tuple[tuple[int, int], ...], ctx: SpaceContext) -> dict[str, int]:
+        for lp_size in range(1, MAX_LP_SIZE + 1):
+            for first_size in range(1, lp_size + 1):
+                if lp_groups(ctx.n_layers, lp_size, first_size) == groups:
+                    return {"lp_size": lp_size, "first_size": first_size}
+        raise SpaceError(f"layer_plan groups {[list(g) for g in groups]} are not a plan of space '{self.name}'")
+
+
+class DraftSpace(SearchSpace):
+    """A draft model running all its layers.
+
+    - ``tree`` (one of ``TREE_SHAPES``): ``chain``; ``2-1`` / ``2-2-1`` / ``4-2-1`` = those widths
+      at the first depths, then 1s up to ``draft_length``; ``swift-dynamic`` = a chain with SWIFT's
+      dynamic verification table.
+    - ``draft_length``, ``confidence_threshold``.
+    """
+
+    name, drafter = "draft", "draft-model"
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        tree = TREE_SHAPES[trial.suggest_categorical("tree", list(TREE_SHAPES))]
+        return _drafting(trial, ctx, tree=tree, drafter=self.drafter, layer_plan=None)
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        tree = _tree_name(strategy.tree_widths, strategy.dynamic_widths, strategy.draft_length)
+        if tree is None:
+            raise SpaceError(
+                f"tree_widths={strategy.tree_widths} / dynamic_widths={strategy.dynamic_widths} is not in the "
+                f"tree menu of space '{self.name}' ({', '.join(TREE_SHAPES)})"
+            )
+        return {"tree": tree, **_drafting_params(strategy)}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        drafting, b = _reference_drafting(ctx), ctx.base
+        length = drafting["draft_length"]  # the base's tree at this length if the menu has it, else a chain
+        return {"tree": _tree_name(_fit_widths(b.tree_widths, length), b.dynamic_widths, length) or "chain", **drafting}
+
+
+def _tree_name(widths: tuple[int, ...] | None, dynamic: Any, length: int) -> str | None:
+    """The menu name of this tree shape at ``length`` depths, if any."""
+    for name, (head, menu_dynamic) in TREE_SHAPES.items():
+        if (_fit_widths(head, length), menu_dynamic) == (widths, dynamic):
+            return name
+    return None
+
+
+class LookupSpace(SearchSpace):
+    """Prompt lookup (copy the continuation of the latest matching n-gram): ``draft_length`` only."""
+
+    name, drafter = "lookup", "prompt-lookup"
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        return replace(ctx.base, drafter=self.drafter, draft_length=_suggest_length(trial, ctx),
+                       tree_widths=None, dynamic_widths=None, layer_plan=None)
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        return {"draft_length": strategy.draft_length}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        return {"draft_length": _reference_drafting(ctx)["draft_length"]}
+
+
+SPACES: dict[str, SearchSpace] = {
+    s.name: s for s in (LayerSkipSpace(), LayerSkipFreeSpace(), EasySpecSpace(), DraftSpace(), LookupSpace())
+}
+
+
+def get_space(name: str) -> SearchSpace:
+    """The registered space ``name``; ``SpaceError`` naming the known spaces otherwise."""
+    try:
+        return SPACES[name]
+    except (KeyError, TypeError):
+        raise SpaceError(f"unknown search space {name!r}; known spaces: {', '.join(SPACES)}") from None
+
+
+def uniform_strategy(space_name: str, ctx: SpaceContext) -> Strategy:
+    """The untuned reference of a space: SWIFT's uniform skip (``uniform_skip_plan``) for the
+    layer-skip spaces, EasySpec's ``easyspec_plan(n, 4)`` with calibration for ``easyspec``, the
+    base strategy for ``draft``/``lookup`` (its draft length and threshold moved into the space's
+    ranges; a tree outside the menu becomes a chain)."""
+    return get_space(space_name).uniform(ctx)
