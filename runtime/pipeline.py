@@ -24,7 +24,7 @@ class ModelPool:
     device: str = "cpu"
     _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
     # target wrappers whose weights were repacked, by (model, backend, width): one copy each
-    _prepared: dict[tuple[int, str, int], CausalLM] = field(default_factory=dict)
+    _prepared: dict[tuple[int, str, int | None], CausalLM] = field(default_factory=dict)
 
     def target_for_width(self, target: LoadedModel, backend: str, width: int) -> CausalLM:
         """A wrapper of ``target`` executing with ``backend`` packed for ``width`` rows (shared)."""
@@ -34,6 +34,21 @@ class ModelPool:
             lm.use_linear_backend(backend, width)
             self._prepared[key] = lm
         shared = CausalLM(target.hf_model)
+        shared.share_linears_from(self._prepared[key])
+        return shared
+
+    def draft_wrapper(self, draft: LoadedModel, backend: str, draft_vocab: int | None, target_vocab: int) -> CausalLM:
+        """A wrapper of ``draft`` running ``backend`` with its head cut to the shared vocabulary
+        (or ``draft_vocab``); the converted weights are made once and shared between decoders."""
+        full = draft.hf_model.lm_head.weight.shape[0]
+        head = min(draft_vocab or full, target_vocab, full)
+        key = (id(draft.hf_model), f"draft-{backend}", head)
+        if key not in self._prepared:
+            lm = CausalLM(draft.hf_model)
+            lm.restrict_head(head)
+            lm.use_linear_backend(backend)
+            self._prepared[key] = lm
+        shared = CausalLM(draft.hf_model)
         shared.share_linears_from(self._prepared[key])
         return shared
 
@@ -60,9 +75,7 @@ def _model_drafter(
     precision = resolve_precision(s.draft_precision, pool.device)
     draft = pool.get(draft_name, PRECISION_LOAD_DTYPE[precision])
     check_vocab_compatible(target, draft)
-    draft_lm = CausalLM(draft.hf_model)
-    draft_lm.restrict_head(min(s.draft_vocab or draft_lm.dims.vocab, lm.dims.vocab, draft_lm.dims.vocab))
-    draft_lm.use_linear_backend(PRECISION_BACKEND[precision])
+    draft_lm = pool.draft_wrapper(draft, PRECISION_BACKEND[precision], s.draft_vocab, lm.dims.vocab)
     if s.layer_plan is not None:
         check_plan_fits(s.layer_plan, draft_lm.dims.n_layers, f"draft model {draft_name}")
     return ModelDrafter(
