@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotune.errors import USER_ERRORS, CliError
+from autotune.strategies_cmd import add_strategies_parser, cmd_strategies
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument(
+        "--strategy", help="best (stored for this model, draft, task and hardware), default, or a strategy JSON file"
+    )
+    gen.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
     bench = sub.add_parser("bench", help="compare decoding methods side by side on one task")
     _add_model_args(bench)
     _add_prompt_args(bench, need_task=True)
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lp-size", type=int, default=4, help="EasySpec layer-parallel size for method easyspec")
     bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+    add_strategies_parser(sub)
     return parser
 
 
@@ -156,12 +162,47 @@ def _check_common(args: argparse.Namespace) -> None:
         raise CliError(f"--limit must be at least 1, got {args.limit}")
 
 
+_STRATEGY_FLAGS = (
+    "draft_length", "draft_precision", "draft_vocab", "confidence_threshold", "tree_widths", "dynamic_widths",
+)
+
+
+def _task_name(args: argparse.Namespace) -> str:
+    from autotune.resolve import PROMPT_TASK
+
+    return args.task or PROMPT_TASK
+
+
+def _check_strategy_choice(args: argparse.Namespace) -> None:
+    """--strategy replaces the flag-built strategy; a bad file or store fails before any model loads."""
+    spec = getattr(args, "strategy", None)
+    if spec is None:
+        return
+    given = [f"--{name.replace('_', '-')}" for name in _STRATEGY_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise CliError(f"--strategy replaces the strategy flags; drop {', '.join(given)} or --strategy")
+    from autotune.resolve import check_strategy_spec
+
+    check_strategy_spec(spec, args.storage, args.model, args.draft, _task_name(args), args.device)
+
+
+def _chosen_strategy(args: argparse.Namespace, target: Any, built: Any) -> Any:
+    spec = getattr(args, "strategy", None)
+    if spec is None:
+        return built
+    from autotune.resolve import resolve_strategy, strategy_key
+
+    key = strategy_key(target, args.draft, _task_name(args), args.device)
+    return resolve_strategy(spec, args.storage, key, built)
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from runtime.pipeline import ModelPool, draft_load_dtype
 
     strategy = _strategy(args)
     pool = ModelPool(device=args.device)
     target = pool.get(args.model, args.dtype)
+    strategy = _chosen_strategy(args, target, strategy)
     if args.draft:
         from runtime.loading import check_vocab_compatible
 
@@ -175,6 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_common(args)
     _generation_config(args, ())  # validate sampling flags before loading anything
     items = _prompt_items(args)
+    _check_strategy_choice(args)
     pool, target, strategy = _load(args)
     prompts = _tokenize(items, target.tokenizer)
     cfg = _generation_config(args, eos_ids(target))
@@ -228,6 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "bench": cmd_bench,
+    "strategies": cmd_strategies,
 }
 
 

@@ -1,0 +1,89 @@
+"""Which strategy to decode with: ``--strategy best | default | PATH``.
+
+- ``default``: the strategy built from the command-line flags (the dataclass defaults);
+- ``best``: the stored best for (model id + revision, draft, task, this hardware);
+- anything else: a JSON file as written by ``Strategy.to_json`` or ``autotune strategies export``.
+
+A layer plan stored for another model depth is refused later by the runtime (``check_plan_fits``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import StorageError
+from autotune.hardware import hardware_fingerprint
+from autotune.records import StrategyKey
+from search_spaces.errors import StrategyError
+from search_spaces.strategy import Strategy
+
+BEST, DEFAULT = "best", "default"
+PROMPT_TASK = "prompts"  # the task name of ad-hoc prompts (``generate --prompt``)
+
+
+def strategy_key(target: Any, draft: str | None, task: str, device: str) -> StrategyKey:
+    """The store key for a loaded target (``runtime.loading.LoadedModel``) on this machine."""
+    return StrategyKey(
+        model_id=target.model_id, model_revision=target.revision, draft_id=draft or "", task=task,
+        hardware=hardware_fingerprint(device),
+    )
+
+
+def load_strategy_file(path: str | Path) -> Strategy:
+    """A strategy JSON file; unreadable or invalid content raises ``StrategyError`` naming the file."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StrategyError(
+            f"cannot read strategy file {path}: {reason}; pass --strategy best, default or a JSON file path"
+        ) from None
+    try:
+        return Strategy.from_json(text)
+    except StrategyError as exc:
+        raise StrategyError(f"strategy file {path}: {exc}") from None
+
+
+def missing_best_message(model: str, task: str, draft: str | None) -> str:
+    with_draft = f" with draft {draft}" if draft else ""
+    return (
+        f"no tuned strategy stored for model {model}{with_draft} task {task} on this hardware; run "
+        f"`autotune study --model {model} --task {task}` first, or pass --strategy default"
+    )
+
+
+def resolve_strategy(spec: str, storage: Any, key: StrategyKey, fallback: Strategy) -> Strategy:
+    """``spec`` (best | default | PATH) -> the strategy. ``storage`` is a URL (None = the default
+    store) or an open ``Storage``; it is only opened for ``best``."""
+    if spec == DEFAULT:
+        return fallback
+    if spec != BEST:
+        return load_strategy_file(spec)
+    from autotune.storage import Storage, open_storage
+
+    if isinstance(storage, Storage):
+        found = storage.best(key)
+    else:
+        with open_storage(storage) as opened:
+            found = opened.best(key)
+    if found is None:
+        raise StorageError(missing_best_message(key.model_id, key.task, key.draft_id))
+    return found.strategy
+
+
+def check_strategy_spec(
+    spec: str, storage_url: str | None, model: str, draft: str | None, task: str, device: str
+) -> None:
+    """Fail before any model loads: a PATH must hold a valid strategy; ``best`` needs a reachable
+    store holding a strategy for this task, draft and hardware (the exact model is checked once loaded)."""
+    if spec == DEFAULT:
+        return
+    if spec != BEST:
+        load_strategy_file(spec)
+        return
+    from autotune.storage import open_storage
+
+    with open_storage(storage_url) as storage:
+        candidates = storage.list_best(task=task, draft_id=draft or "", hardware=hardware_fingerprint(device))
+    if not candidates:
+        raise StorageError(missing_best_message(model, task, draft))

@@ -1,0 +1,369 @@
+"""The strategy store: round trips, best-only-if-better, atomic writes, concurrent writers, crashes.
+
+Every test taking ``store_url`` runs on SQLite and, with ``AUTOTUNE_TEST_POSTGRES=1``, on a throwaway
+PostgreSQL server started from the system's server binaries (skipped with the reason otherwise).
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from autotune.errors import StorageError
+from autotune.storage import ResultMetrics, Storage, StrategyKey, default_storage_url, open_storage
+from search_spaces.errors import StrategyError
+from search_spaces.strategy import PLAIN, Strategy
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = StrategyKey("smollm2-135m@gguf:b179c9523d0e", "b179c9523d0e", "", "gsm8k", "test-cpu x2")
+REQUIRED = ("model_id", "model_revision", "draft_id", "task", "hardware", "recorded_at", "strategy", "score")
+
+
+# ---------------------------------------------------------------------- servers
+def _pg_bindir() -> Path | None:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).parent
+    version = lambda d: [int(x) for x in Path(d).parent.name.split(".") if x.isdigit()]  # noqa: E731
+    dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version)
+    return Path(dirs[-1]) if dirs and (Path(dirs[-1]) / "pg_ctl").exists() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_server_user(base: Path) -> list[str]:
+    """PostgreSQL refuses to run as root: run it as 'postgres' (or 'nobody') owning ``base``."""
+    if os.geteuid() != 0:
+        return []
+    for user in ("postgres", "nobody"):
+        try:
+            entry = pwd.getpwnam(user)
+        except KeyError:
+            continue
+        for path in [base, *base.rglob("*")]:
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+        return ["runuser", "-u", user, "--"]
+    pytest.fail("running as root and neither a 'postgres' nor a 'nobody' user exists to run PostgreSQL")
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """Base URL of a throwaway PostgreSQL server on loopback (trust auth, user 'autotune')."""
+    if os.environ.get("AUTOTUNE_TEST_POSTGRES") != "1":
+        pytest.skip("PostgreSQL tests are off: set AUTOTUNE_TEST_POSTGRES=1 (needs initdb/pg_ctl and psycopg)")
+    pytest.importorskip("psycopg", reason="PostgreSQL tests need psycopg: pip install 'psycopg[binary]'")
+    bindir = _pg_bindir()
+    if bindir is None:
+        pytest.fail("AUTOTUNE_TEST_POSTGRES=1 but no PostgreSQL server binaries found; apt-get install postgresql")
+    base = Path(tempfile.mkdtemp(prefix="autotune-pg-"))
+    runas = _as_server_user(base)
+    data, port = base / "data", _free_port()
+    subprocess.run(
+        [*runas, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "autotune", "--no-sync", "-E", "UTF8"],
+        check=True, capture_output=True, cwd=base,
+    )
+    ctl = [*runas, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(base / "log")]
+    subprocess.run([*ctl, "-o", f"-k {base} -p {port} -h 127.0.0.1 -F", "-w", "-t", "60", "start"],
+                   check=True, capture_output=True, cwd=base)
+    try:
+        yield f"postgresql+psycopg://autotune@127.0.0.1:{port}"
+    finally:
+        subprocess.run([*ctl, "-m", "immediate", "stop"], capture_output=True, cwd=base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_db_numbers = itertools.count()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path) -> str:
+    """A fresh, empty database: a SQLite file, or a new database on the PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    import psycopg
+
+    base = request.getfixturevalue("postgres_server")
+    name = f"autotune_t{os.getpid()}_{next(_db_numbers)}"
+    with psycopg.connect(base.replace("postgresql+psycopg", "postgresql") + "/postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"{base}/{name}"
+
+
+@pytest.fixture
+def store(store_url):
+    with open_storage(store_url) as storage:
+        yield storage
+
+
+# ---------------------------------------------------------------------- round trips
+def test_record_best_list_get_delete_history(store: Storage):
+    lookup = Strategy(drafter="prompt-lookup", draft_length=5)
+    hid = store.record(KEY, lookup, ResultMetrics.from_throughput(
+        21.5, predicted_tps=20.0, acceptance=0.4, speedup=1.2, tuning_share=0.05, study_name="s1"))
+    best = store.best(KEY)
+    assert best is not None and best.strategy == lookup and best.history_id == hid
+    assert (best.score, best.measured_tps, best.predicted_tps, best.acceptance, best.study_name) == (
+        21.5, 21.5, 20.0, 0.4, "s1")
+    assert best.key == KEY and best.updated_at.tzinfo is not None
+    assert store.get(best.id) == best
+    assert store.list_best() == [best]
+    assert store.list_best(task="gsm8k", hardware=KEY.hardware) == [best]
+    assert store.list_best(task="humaneval") == []
+    [entry] = store.history(KEY)
+    assert (entry.id, entry.strategy, entry.speedup, entry.tuning_share) == (hid, lookup, 1.2, 0.05)
+
+    assert store.delete(best.id) is True
+    assert store.get(best.id) is None and store.best(KEY) is None and store.list_best() == []
+    assert store.delete(best.id) is False
+    assert len(store.history(KEY)) == 1  # history is kept
+    store.record(KEY, PLAIN, ResultMetrics(score=1.0))  # after a delete, any result is the best again
+    assert store.best(KEY).strategy == PLAIN
+
+
+def test_best_replaced_only_by_a_strictly_better_score(store: Storage):
+    first = store.record(KEY, Strategy(draft_length=4), ResultMetrics(score=5.0))
+    store.record(KEY, Strategy(draft_length=5), ResultMetrics(score=3.0))
+    store.record(KEY, Strategy(draft_length=6), ResultMetrics(score=5.0))
+    assert store.best(KEY).history_id == first and store.best(KEY).strategy.draft_length == 4
+    better = store.record(KEY, Strategy(draft_length=7), ResultMetrics(score=7.5, acceptance=0.9))
+    best = store.best(KEY)
+    assert (best.history_id, best.score, best.acceptance, best.strategy.draft_length) == (better, 7.5, 0.9, 7)
+    assert [e.score for e in store.history(KEY)] == [5.0, 3.0, 5.0, 7.5]
+    assert len(store.list_best()) == 1
+
+
+def test_keys_are_independent(store: Storage):
+    other_draft = StrategyKey(KEY.model_id, KEY.model_revision, "smollm2-135m", KEY.task, KEY.hardware)
+    other_hw = StrategyKey(KEY.model_id, KEY.model_revision, "", KEY.task, "other-cpu")
+    store.record(KEY, PLAIN, ResultMetrics(score=1.0))
+    store.record(other_draft, Strategy(), ResultMetrics(score=9.0))
+    store.record(other_hw, Strategy(drafter="prompt-lookup"), ResultMetrics(score=4.0))
+    assert store.best(KEY).strategy == PLAIN
+    assert store.best(other_draft).score == 9.0 and store.best(other_hw).score == 4.0
+    assert len(store.list_best()) == 3 and len(store.list_best(draft_id="")) == 2
+
+
+def test_failure_inside_the_transaction_leaves_nothing(store: Storage, monkeypatch):
+    import autotune.storage as storage_module
+
+    store.record(KEY, PLAIN, ResultMetrics(score=2.0))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("crash between the history row and the best row")
+
+    monkeypatch.setattr(storage_module, "_offer_best", boom)
+    with pytest.raises(RuntimeError, match="crash between"):
+        store.record(KEY, Strategy(), ResultMetrics(score=99.0))
+    with pytest.raises(RuntimeError):
+        store.record(StrategyKey("m", "r", "", "t", "hw"), Strategy(), ResultMetrics(score=1.0))
+    monkeypatch.undo()
+    assert [e.score for e in store.history(KEY)] == [2.0]
+    assert store.best(KEY).strategy == PLAIN
+    assert store.list_best() == [store.best(KEY)]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(score=float("nan")), dict(score=1.0, acceptance=1.5), dict(score=1.0, measured_tps=-1.0),
+    dict(score=1.0, tuning_share=2.0), dict(score="fast"), dict(score=1.0, study_name=3),
+])
+def test_metrics_are_validated(bad):
+    with pytest.raises(StorageError, match=next(iter(k for k in bad if k != "score"), "score")):
+        ResultMetrics(**bad)
+
+
+def test_keys_are_validated():
+    with pytest.raises(StorageError, match="model_id"):
+        StrategyKey("", "r", "", "t", "hw")
+    with pytest.raises(StorageError, match="task"):
+        StrategyKey("m", "r", "", "x" * 300, "hw")
+
+
+def test_unreadable_stored_strategy_names_the_row(store: Storage):
+    store.record(KEY, PLAIN, ResultMetrics(score=1.0))
+    engine = create_engine(store.url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE autotune_best SET strategy = '{\"schema_version\": 99}'"))
+    engine.dispose()
+    [row] = store.list_best()
+    with pytest.raises(StrategyError, match=f"stored strategy {row.id}"):
+        row.strategy
+
+
+# ---------------------------------------------------------------------- opening
+def test_default_url_env_then_user_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("AUTOTUNE_STORAGE", "sqlite:////somewhere/x.db")
+    assert default_storage_url() == "sqlite:////somewhere/x.db"
+    monkeypatch.delenv("AUTOTUNE_STORAGE")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    url = default_storage_url()
+    assert url == f"sqlite:///{tmp_path / 'data' / 'autotune' / 'autotune.db'}"
+    assert (tmp_path / "data" / "autotune").is_dir()
+    with open_storage(None) as storage:
+        assert storage.list_best() == []
+    assert (tmp_path / "data" / "autotune" / "autotune.db").exists()
+
+
+@pytest.mark.parametrize("url,needle", [
+    ("not a url", "malformed"),
+    ("nosuchdb://x/y", "unknown database driver 'nosuchdb'"),
+    ("postgresql://x@127.0.0.1:1/db", "cannot open storage postgresql://x@127.0.0.1:1/db"),
+    ("postgresql://x:secret@127.0.0.1:1/db", "***"),
+])
+def test_open_errors_are_one_clear_line(url, needle):
+    with pytest.raises(StorageError) as info:
+        open_storage(url)
+    message = str(info.value)
+    assert needle in message and "\n" not in message and "secret" not in message
+
+
+def test_sqlite_in_a_missing_directory(tmp_path):
+    with pytest.raises(StorageError, match="directory exists"):
+        open_storage(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}")
+    assert not (tmp_path / "no").exists()
+
+
+def test_sqlite_uses_wal(tmp_path):
+    open_storage(f"sqlite:///{tmp_path / 'w.db'}").close()
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "w.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_optuna_studies_live_in_the_same_database(store: Storage):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=store.optuna_storage(), study_name="tune-gsm8k", load_if_exists=True)
+    study.optimize(lambda trial: trial.suggest_int("draft_length", 1, 8), n_trials=3)
+    again = optuna.create_study(storage=store.optuna_storage(), study_name="tune-gsm8k", load_if_exists=True)
+    assert len(again.trials) == 3
+    store.record(KEY, PLAIN, ResultMetrics(score=1.0, study_name="tune-gsm8k"))
+    assert store.best(KEY).study_name == "tune-gsm8k"
+
+
+def test_hardware_fingerprint_is_stable():
+    import torch
+
+    from autotune.hardware import hardware_fingerprint
+    from runtime.errors import RuntimeUserError
+
+    first = hardware_fingerprint("cpu")
+    assert first == hardware_fingerprint("cpu") and torch.__version__ in first and len(first) < 200
+    with pytest.raises(RuntimeUserError, match="unknown device"):
+        hardware_fingerprint("warp-drive")
+
+
+# ---------------------------------------------------------------------- processes
+WORKER = """
+import json, os, random, sys, time
+from autotune.storage import ResultMetrics, StrategyKey, open_storage
+from search_spaces.strategy import Strategy
+url, worker, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+key = StrategyKey(*json.loads(sys.argv[5]))
+rng = random.Random(worker)
+storage = open_storage(url)
+open(f"{go}.ready{worker}", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.002)
+scores = []
+i = 0
+while count == 0 or i < count:
+    score = rng.uniform(0.0, 100.0)
+    storage.record(key, Strategy(draft_length=1 + i % 64), ResultMetrics(score=score, study_name=f"w{worker}"))
+    scores.append(score)
+    i += 1
+print(json.dumps(scores))
+"""
+
+
+def _start_worker(url: str, worker: int, count: int, go: Path) -> subprocess.Popen:
+    key = json.dumps([KEY.model_id, KEY.model_revision, KEY.draft_id, KEY.task, KEY.hardware])
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, url, str(worker), str(count), str(go), key],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_two_processes_record_concurrently(store_url, tmp_path):
+    open_storage(store_url).close()
+    go = tmp_path / "go"
+    workers = [_start_worker(store_url, w, 50, go) for w in (1, 2)]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.ready{w}").exists() for w in (1, 2)):  # both connected: start together
+        assert all(p.poll() is None for p in workers) and time.monotonic() < deadline
+        time.sleep(0.01)
+    go.touch()
+    scores = []
+    for proc in workers:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        scores += json.loads(out)
+    with open_storage(store_url) as storage:
+        history = storage.history(KEY)
+        best = storage.best(KEY)
+    assert len(history) == 100 and len({e.id for e in history}) == 100
+    assert sorted(e.score for e in history) == sorted(scores)
+    assert best.score == max(scores)
+    assert {e.study_name for e in history} == {"w1", "w2"}  # (SQLite may let one writer finish first)
+
+
+def _assert_consistent(url: str) -> int:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            assert conn.execute(text("PRAGMA integrity_check")).scalar() == "ok"
+        nulls = " OR ".join(f"{c} IS NULL" for c in REQUIRED)
+        assert conn.execute(text(f"SELECT count(*) FROM autotune_history WHERE {nulls}")).scalar() == 0
+    engine.dispose()
+    with open_storage(url) as storage:
+        history = storage.history(KEY)
+        best = storage.best(KEY)
+    for entry in history:
+        entry.strategy  # every row parses
+    if history:
+        top = max(e.score for e in history)
+        assert best is not None and best.score == top
+        [source] = [e for e in history if e.id == best.history_id]
+        assert source.score == top and source.strategy_json == best.strategy_json
+    else:
+        assert best is None
+    return len(history)
+
+
+def test_sigkill_while_recording_leaves_a_consistent_store(store_url, tmp_path):
+    open_storage(store_url).close()
+    go = tmp_path / "go"
+    go.touch()
+    seen = 0
+    for round_ in range(3):
+        proc = _start_worker(store_url, 10 + round_, 0, go)
+        deadline = time.monotonic() + 120
+        with open_storage(store_url) as storage:
+            while len(storage.history(KEY)) < seen + 15:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "worker made no progress"
+                time.sleep(0.02)
+        time.sleep(0.013 * round_)  # vary where in its transaction the worker dies
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        seen = _assert_consistent(store_url)
+    assert seen >= 45
