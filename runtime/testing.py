@@ -1,0 +1,30 @@
+"""Tiny random-weight models for checks that run without packaged weights (tests, torchrun scripts).
+
+The same construction as ``tests/conftest.py``'s ``tiny_model`` (kept here so that scripts under
+``runtime`` need not import the test tree).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_model(family: str, seed: int, vocab: int = 96, layers: int = 3) -> torch.nn.Module:
+    """A randomly initialised llama/qwen2 causal LM (qwen2: q/k/v biases), float32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"tiny_model family must be 'llama' or 'qwen2', got {family!r}")
+    # sharpen the random logits so greedy paths are not near-ties
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model.eval()
