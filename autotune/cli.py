@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     add_strategies_parser(sub)
+    diag = sub.add_parser("diagnose", help="EasySpec table 5: cosine similarity of exact vs. fuzzy attention states")
+    diag.add_argument("--model", required=True, help="model: alias, local directory or hub id")
+    diag.add_argument("--dtype", default="float32")
+    diag.add_argument("--device", default="cpu")
+    diag.add_argument("--prompt", help="a single prompt (chat template applied when the model has one)")
+    diag.add_argument("--task", help="task name: gsm8k, humaneval, mt-bench, prompts")
+    diag.add_argument("--data", help="data file or folder for the task (default: $AUTOTUNE_DATA_DIR)")
+    diag.add_argument("--limit", type=int, default=5, help="prompts of the task to run")
+    diag.add_argument("--offset", type=int, default=0, help="skip this many prompts of the task")
+    diag.add_argument("--lp-size", default="2,3,4", help="comma list of layer-parallel sizes (each >= 2)")
+    diag.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     return parser
 
 
@@ -267,9 +278,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from autotune.diagnose import diagnose, format_table
+    from runtime.pipeline import ModelPool
+    from runtime.transformer import CausalLM
+
+    lp_sizes = _int_list("--lp-size", args.lp_size)
+    bad = [lp for lp in lp_sizes if lp < 2]
+    if bad:
+        raise CliError(f"--lp-size values must be at least 2 (layer-parallel groups), got {bad[0]}")
+    if args.limit < 1:
+        raise CliError(f"--limit must be at least 1, got {args.limit}")
+    items = _prompt_items(args)
+    model = ModelPool(device=args.device).get(args.model, args.dtype)
+    prompts = _tokenize(items, model.tokenizer)
+    report = diagnose(CausalLM(model.hf_model), [ids for _, ids in prompts], lp_sizes)
+    report["config"] = {"model": model.model_id, "task": args.task, "prompt_ids": [pid for pid, _ in prompts],
+                        "dtype": args.dtype}
+    print(format_table(report, title=args.model))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "bench": cmd_bench,
+    "diagnose": cmd_diagnose,
     "strategies": cmd_strategies,
 }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +116,20 @@ class AttnInputs:
     causal: bool
 
 
+class Recorder(Protocol):
+    """Optional observer of a forward (``CausalLM.recorder``; ``None``, the default, records nothing).
+
+    ``attn_input(li, h)``: the hidden state ``[T, H]`` attention sub-layer ``li`` reads (before its
+    norm; in a layer-parallel group, the group's input). ``attn(li, q, k, v, out)``: its queries
+    ``[Hq, T, D]``, keys and values ``[Hkv, T, D]`` (after RoPE) and output ``[T, H]`` (after
+    ``o_proj``). :func:`run_blocks` and the attention code call it; while a recorder is set,
+    ``CausalLM.forward`` runs plan-less forwards through :func:`run_blocks` too (identity plan)."""
+
+    def attn_input(self, li: int, h: torch.Tensor) -> None: ...
+
+    def attn(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
 GroupExecutor = Callable[["CausalLM", GroupWeights, torch.Tensor, AttnInputs], dict[int, torch.Tensor]]
 
 
@@ -160,6 +174,9 @@ def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInpu
     out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mp, scale=lm.scale)
     out = out.reshape(n, d.n_heads, t, d.head_dim).transpose(1, 2).reshape(n, t, dq)
     o = torch.baddbmm(g.b_o, out, g.w_o) if g.b_o is not None else torch.bmm(out, g.w_o)  # [N, T, H]
+    if lm.recorder is not None:
+        for i, li in enumerate(g.members):
+            lm.recorder.attn(li, q[i], k[i], v[i], o[i])
     return {li: o[i] for i, li in enumerate(g.members)}
 
 
@@ -176,13 +193,19 @@ def run_blocks(
     plan = cp.plan
     skip_attn, skip_mlp = set(plan.skip_attn), set(plan.skip_mlp)
     run_group = GROUP_EXECUTORS[executor]
+    rec = lm.recorder
     for block in cp.blocks:
         attn_out: dict[int, torch.Tensor] = {}
         if block.group is not None:
+            if rec is not None:
+                for li in block.group.members:
+                    rec.attn_input(li, h)
             attn_out = run_group(lm, block.group, h, a)
         for li in block.layers:
             layer, lin = lm.layers[li], lm.linears[li]
             if block.group is None and li not in skip_attn:
+                if rec is not None:
+                    rec.attn_input(li, h)
                 h = h + lm.attention(lin, layer.input_layernorm(h), li, a.cache, a.cos, a.sin, a.mask, a.causal)
             elif li in attn_out:
                 h = h + attn_out[li]

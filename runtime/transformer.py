@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.layer_exec import AttnInputs, CompiledPlan, compile_plan, run_blocks
+from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.linear import Linear, make_linear
 from search_spaces.layer_plan import LayerPlan
 
@@ -124,6 +124,7 @@ class CausalLM:
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
+        self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
         self._plans: dict[LayerPlan, CompiledPlan] = {}
 
     def use_linear_backend(self, backend: str, width: int = 1) -> None:
@@ -188,7 +189,10 @@ class CausalLM:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = cache.write(li, k, v)  # [Hkv, S, D]
         out = sdpa(q, keys, values, mask, causal, self.scale)  # [H, T, D]
-        return lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
+        o = lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
+        if self.recorder is not None:
+            self.recorder.attn(li, q, k, v, o)
+        return o
 
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
         return lin["down"](layer.mlp.act_fn(lin["gate"](x)) * lin["up"](x))
@@ -218,12 +222,13 @@ class CausalLM:
             mask = causal_mask(start, t, self.device)
             causal = False
         h = self.embed(tokens)  # [T, H]
-        if plan is None or plan.is_identity:
+        if (plan is None or plan.is_identity) and self.recorder is None:
             for li, layer in enumerate(self.layers):
                 lin = self.linears[li]
                 h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, mask, causal)
                 h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
-        else:
+        else:  # a recorder sees every forward through run_blocks (an identity plan: the same math)
+            plan = plan if plan is not None else LayerPlan(n_layers=self.dims.n_layers)
             h = run_blocks(self, self.compiled(plan), h, AttnInputs(cache, cos, sin, mask, causal), self.group_executor)
         cache.advance(t)
         if logits_for is not None:
