@@ -31,6 +31,9 @@ class BenchContext:
     lp_size: int = 4  # EasySpec layer-parallel size for method `easyspec`
     skip_ratio: float = 0.45  # SWIFT uniform skip ratio for method `selfspec`
     options: dict[str, str] = field(default_factory=dict)  # per-method overrides (`easyspec:lp2:nocal`)
+    task: str = "prompts"  # the bench's task: method `tuned` loads the strategy stored for it
+    storage: str | None = None  # strategy store URL for method `tuned` (None: the default store)
+    verify_width: int | None = None  # pad every speculative method's verify pass to this width
 
 
 @dataclass
@@ -75,7 +78,8 @@ def _ours(strategy_of: Callable[[BenchContext], Strategy]) -> MethodFactory:
     def factory(ctx: BenchContext) -> Method:
         strategy = strategy_of(ctx)
         draft = ctx.draft_name if strategy.drafter == "draft-model" else None
-        decoder = build_decoder(ctx.pool, ctx.target, strategy, draft)
+        width = ctx.verify_width if strategy.speculates else None
+        decoder = build_decoder(ctx.pool, ctx.target, strategy, draft, verify_width=width)
 
         def run(prompt: list[int], cfg: GenerationConfig) -> MethodRun:
             result = decoder.generate(prompt, cfg)
@@ -128,15 +132,42 @@ def _selfspec_strategy(ctx: BenchContext) -> Strategy:
     )
 
 
+def _uniform_strategy(ctx: BenchContext) -> Strategy:
+    """What ``autotune study`` starts from before tuning (its default space's reference): EasySpec's
+    default layer-parallel plan with a draft model, SWIFT's uniform skip (``--skip-ratio``) without."""
+    from autotune.study import default_space, space_context
+    from search_spaces.spaces import get_space, uniform_strategy
+
+    space = get_space(default_space(ctx.draft_name))
+    draft = ctx.pool.get(ctx.draft_name, "float32") if ctx.draft_name else None
+    ratio = float(ctx.options.get("r", ctx.skip_ratio))
+    return uniform_strategy(space.name, space_context(space, ctx.target, draft, ratio))
+
+
+def _tuned_strategy(ctx: BenchContext) -> Strategy:
+    """The stored best for (model, draft, task, this hardware); ``tuned:task=T`` reads another task's."""
+    from autotune.resolve import BEST, resolve_strategy, strategy_key
+
+    key = strategy_key(ctx.target, ctx.draft_name, ctx.options.get("task", ctx.task), ctx.pool.device)
+    return resolve_strategy(BEST, ctx.storage, key, PLAIN)
+
+
+# our runtime's methods: name -> the strategy it decodes with
+STRATEGY_METHODS: dict[str, Callable[[BenchContext], Strategy]] = {
+    "vanilla": lambda ctx: PLAIN,
+    "sd": _sd_strategy,
+    "sd-tree": _tree_strategy,
+    "lookup": _lookup_strategy,
+    "easyspec": _easyspec_strategy,
+    "selfspec": _selfspec_strategy,
+    "uniform": _uniform_strategy,
+    "tuned": _tuned_strategy,
+}
+
 METHODS: dict[str, MethodFactory] = {
     "hf": _hf,
     "hf-assisted": _hf_assisted,
-    "vanilla": _ours(lambda ctx: PLAIN),
-    "sd": _ours(_sd_strategy),
-    "sd-tree": _ours(_tree_strategy),
-    "lookup": _ours(_lookup_strategy),
-    "easyspec": _ours(_easyspec_strategy),
-    "selfspec": _ours(_selfspec_strategy),
+    **{name: _ours(strategy_of) for name, strategy_of in STRATEGY_METHODS.items()},
 }
 
 # method options, written `name:opt:opt` (e.g. `easyspec:lp2:nocal`, `selfspec:r0.3`): prefix -> (key, value)
@@ -145,7 +176,14 @@ METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
     "r": lambda rest: ("r", str(float(rest))),
     "nocal": lambda rest: ("cal", "off"),
     "cal": lambda rest: ("cal", "on"),
+    "task=": lambda rest: ("task", _nonempty(rest)),
 }
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise ValueError("empty option value")
+    return text
 
 
 @dataclass(frozen=True)
@@ -169,7 +207,7 @@ def parse_method(text: str) -> MethodSpec:
         except ValueError:
             raise CliError(
                 f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
-                "ratio), cal / nocal (bonus calibration), e.g. easyspec:lp2:nocal"
+                "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), e.g. easyspec:lp2:nocal"
             ) from None
     return MethodSpec(text, name, tuple(parsed))
 
@@ -193,6 +231,8 @@ def run_bench(
     ctx: BenchContext, specs: list[MethodSpec], prompts: list[list[int]], cfg: GenerationConfig, warmup_tokens: int = 8
 ) -> dict[str, Any]:
     """Warm every method up, then run prompt by prompt, methods interleaved; summarise."""
+    if ctx.verify_width == SHARED_WIDTH:
+        ctx = replace(ctx, verify_width=shared_verify_width(ctx, specs))
     runners = {spec.label: METHODS[spec.name](replace(ctx, options=dict(spec.options))) for spec in specs}
     methods = [spec.label for spec in specs]
     warm = GenerationConfig(max_new_tokens=min(warmup_tokens, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
@@ -210,11 +250,25 @@ def run_bench(
     return summarise(totals, methods)
 
 
+SHARED_WIDTH = -1  # BenchContext.verify_width: the widest speculative method's width for all of them
+
+
+def shared_verify_width(ctx: BenchContext, specs: list[MethodSpec]) -> int | None:
+    """One verify width for all our speculative methods: one packed copy of the target in memory
+    (a 1.5B fp32 target needs ~6 GiB per width), at the price of padding narrower methods."""
+    widths = [
+        s.max_tree_nodes + 1
+        for spec in specs if spec.name in STRATEGY_METHODS
+        for s in [STRATEGY_METHODS[spec.name](replace(ctx, options=dict(spec.options)))] if s.speculates
+    ]
+    return max(widths, default=None)
+
+
 def summarise(totals: dict[str, MethodTotals], methods: list[str]) -> dict[str, Any]:
     baseline = "hf" if "hf" in totals else ("vanilla" if "vanilla" in totals else methods[0])
     base = totals[baseline]
     report: dict[str, Any] = {"baseline": baseline, "methods": {}}
-    speculative = {"sd", "sd-tree", "lookup", "hf-assisted", "easyspec", "selfspec"}
+    speculative = {"sd", "sd-tree", "lookup", "hf-assisted", "easyspec", "selfspec", "uniform", "tuned"}
     for name in methods:
         s = totals[name].stats
         drafted = s.drafted > 0 or name.split(":")[0] in speculative

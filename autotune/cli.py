@@ -68,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_strategy_args(bench)
     bench.add_argument(
         "--methods", default="hf,vanilla,sd",
-        help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec; options "
-        "after colons, e.g. easyspec:lp2:nocal, selfspec:r0.3",
+        help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec, uniform (the "
+        "untuned start of `study`), tuned (the stored best); options after colons, e.g. easyspec:lp2:nocal, "
+        "selfspec:r0.3, tuned:task=gsm8k",
+    )
+    bench.add_argument("--storage", help="strategy store URL for method tuned (default: $AUTOTUNE_STORAGE or local SQLite)")
+    bench.add_argument(
+        "--shared-width", action="store_true",
+        help="pad every speculative method's verify pass to the widest one (one packed target copy in RAM)",
     )
     bench.add_argument("--lp-size", type=int, default=4, help="EasySpec layer-parallel size for method easyspec")
     bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
@@ -86,6 +92,27 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--offset", type=int, default=0, help="skip this many prompts of the task")
     diag.add_argument("--lp-size", default="2,3,4", help="comma list of layer-parallel sizes (each >= 2)")
     diag.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+    study = sub.add_parser("study", help="decode a task while tuning the strategy online; store the best")
+    study.add_argument("--model", help="target (default: the packaged qwen2.5-coder-1.5b with its 0.5b draft)")
+    study.add_argument("--draft", help="draft model of the same family (default space then: easyspec)")
+    study.add_argument("--dtype", default="float32")
+    study.add_argument("--device", default="cpu")
+    study.add_argument("--task", help="task name: gsm8k, humaneval (default), mt-bench, prompts")
+    study.add_argument("--data", help="data file or folder for the task (default: $AUTOTUNE_DATA_DIR)")
+    study.add_argument("--limit", type=int, default=10)
+    study.add_argument("--offset", type=int, default=0)
+    study.add_argument("--max-new-tokens", type=int, default=128)
+    study.add_argument("--storage", help="SQLAlchemy URL (default: $AUTOTUNE_STORAGE or a SQLite file in the user data dir)")
+    study.add_argument("--space", help="search space: layer-skip (default without --draft), layer-skip-free, easyspec (default with --draft), draft")
+    study.add_argument("--trials", type=int, default=1000, help="stop tuning after this many trials (S)")
+    study.add_argument("--patience", type=int, default=300, help="stop after this many trials without improvement")
+    study.add_argument("--window", type=int, default=32, help="generated tokens each candidate is scored on (gamma)")
+    study.add_argument("--beta", type=int, default=25, help="every beta-th trial is Bayesian")
+    study.add_argument("--stop-matchness", type=float, help="stop tuning once the best matchness reaches this (0..1]")
+    study.add_argument("--max-share", type=float, default=0.1, help="cap on tuning time as a share of decode time")
+    study.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
+    study.add_argument("--seed", type=int, default=0)
+    study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
     return parser
 
 
@@ -247,13 +274,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_tuned_stored(args: argparse.Namespace, methods: list[Any]) -> None:
+    """Method ``tuned`` needs a stored strategy: a missing one fails before any model loads."""
+    from autotune.resolve import BEST, check_strategy_spec
+
+    for spec in methods:
+        if spec.name == "tuned":
+            task = dict(spec.options).get("task", args.task)
+            check_strategy_spec(BEST, args.storage, args.model, args.draft, task, args.device)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from autotune.bench import BenchContext, format_table, parse_methods, run_bench, write_report
+    from autotune.bench import SHARED_WIDTH, BenchContext, format_table, parse_methods, run_bench, write_report
     from runtime.pipeline import build_decoder, eos_ids
 
     _check_common(args)
     methods = parse_methods(args.methods)
     items = _prompt_items(args)
+    _check_tuned_stored(args, methods)
     pool, target, strategy = _load(args)
     prompts = _tokenize(items, target.tokenizer)
     cfg = _generation_config(args, eos_ids(target))
@@ -264,7 +302,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         checker.check_fits(len(ids), cfg)
     ctx = BenchContext(
         pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy,
-        lp_size=args.lp_size, skip_ratio=args.skip_ratio,
+        lp_size=args.lp_size, skip_ratio=args.skip_ratio, task=args.task, storage=args.storage,
+        verify_width=SHARED_WIDTH if args.shared_width else None,
     )
     report = run_bench(ctx, methods, [ids for _, ids in prompts], cfg)
     report["config"] = {
@@ -301,9 +340,91 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study_defaults(args: argparse.Namespace) -> None:
+    """No --model: the embedded default pair (and its draft unless --draft is given); no --task: humaneval."""
+    from autotune.study import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_TASK
+
+    if args.model is None:
+        args.model, args.draft = DEFAULT_MODEL, args.draft or DEFAULT_DRAFT
+    args.task = args.task or DEFAULT_TASK
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from autotune.study import check_space_choice, default_space, run_study
+    from autotune.storage import open_storage
+    from autotune.tuner import TunerSettings
+    from runtime.pipeline import ModelPool, build_decoder, eos_ids
+    from search_spaces.spaces import get_space
+    from search_spaces.strategy import PLAIN
+
+    _study_defaults(args)
+    _check_common(args)
+    space = get_space(args.space or default_space(args.draft))  # unknown space fails before any load
+    check_space_choice(space, args.draft)
+    if not 0.0 <= args.skip_ratio < 1.0:
+        raise CliError(f"--skip-ratio must be in [0, 1), got {args.skip_ratio}")
+    settings = TunerSettings(
+        window=args.window, beta=args.beta, max_trials=args.trials, patience=args.patience, seed=args.seed,
+        match_threshold=args.stop_matchness, max_share=args.max_share,
+    )
+    items = _prompt_items(args)
+    with open_storage(args.storage) as storage:  # an unreachable store fails before any load
+        pool = ModelPool(device=args.device)
+        target = pool.get(args.model, args.dtype)
+        if args.draft:
+            from runtime.loading import check_vocab_compatible
+
+            check_vocab_compatible(target, pool.get(args.draft, "float32"))
+        prompts = _tokenize(items, target.tokenizer)
+        cfg = _generation_config(args, eos_ids(target))
+        checker = build_decoder(pool, target, PLAIN, None)
+        for _, ids in prompts:
+            checker.check_fits(len(ids), cfg)
+        report = run_study(
+            pool, target, args.draft, args.task, [ids for _, ids in prompts], cfg, storage, space.name, settings,
+            skip_ratio=args.skip_ratio,
+        )
+    print(format_study(report))
+    if args.json_out:
+        from autotune.bench import write_report
+
+        write_report(report.as_dict(), args.json_out)
+    return 0
+
+
+def format_study(report: Any) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = report.tuner
+    table = Table(title=f"study {report.name}", show_header=False)
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    plain_pred = t.get("plain_predicted_tps")
+    stored = "the tuned strategy" if report.chosen == report.best else "plain decoding (it measured faster)"
+    rows = [
+        ("best strategy", report.best.to_json()),
+        ("uniform (start)", report.uniform.to_json()),
+        ("trials", f"{t['trials']} ({t['stop_reason']})"),
+        ("best matchness", f"{t['best_matchness']:.3f}"),
+        ("predicted tok/s", f"{t['best_predicted_tps']:.2f}" + (f" (plain {plain_pred:.2f})" if plain_pred else "")),
+        ("measured tok/s", f"{report.best_tps:.2f} (plain {report.plain_tps:.2f}, same prompts, same run)"),
+        ("speedup vs plain", f"{report.speedup:.2f}x, outputs {'identical' if report.identical else 'DIFFERENT'}"),
+        ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning"),
+        ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console = Console(width=120, record=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "bench": cmd_bench,
+    "study": cmd_study,
     "diagnose": cmd_diagnose,
     "strategies": cmd_strategies,
 }

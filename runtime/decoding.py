@@ -6,6 +6,7 @@ same code path.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,9 @@ class GenerationConfig:
             )
 
 
+RoundHook = Callable[["Decoder", list[int], KVCache, DecodeStats], None]
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens only (EOS included if produced)
@@ -50,7 +54,7 @@ class Decoder:
         self.drafter = drafter
         self.draft_length = draft_length if drafter is not None else 0
         # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
-        self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
+        self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None or verify_width else 1
 
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
         limit = self.target.dims.max_positions
@@ -62,7 +66,21 @@ class Decoder:
                 f"model context of {limit} tokens; shorten the prompt or lower --max-new-tokens"
             )
 
-    def generate(self, prompt: list[int], config: GenerationConfig) -> GenerationResult:
+    def switch(self, drafter: Drafter | None, draft_length: int, tokens: list[int], cache: KVCache) -> None:
+        """Continue the current sequence with another drafter (same verify width); ``tokens`` is
+        the whole sequence so far, ``cache`` the target's cache (holding all but the last)."""
+        if drafter is not None and draft_length + 1 > self.verify_width:
+            raise ValueError(f"draft length {draft_length} does not fit verify width {self.verify_width}")
+        self.drafter = drafter
+        self.draft_length = draft_length if drafter is not None else 0
+        if drafter is not None:
+            drafter.begin(tokens, cache.capacity, cache)
+
+    def generate(
+        self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None
+    ) -> GenerationResult:
+        """Decode ``prompt``. ``before_round(decoder, tokens, cache, stats)`` runs before every
+        draft/verify round (the online tuner: it may score candidates and :meth:`switch`)."""
         self.check_fits(len(prompt), config)
         stats = DecodeStats()
         gen = torch.Generator().manual_seed(config.seed)
@@ -77,7 +95,10 @@ class Decoder:
             stats.target_forwards = 1
             if self.drafter is not None:
                 self.drafter.begin(prompt + out, capacity, cache)
-            while len(out) < config.max_new_tokens and out[-1] not in eos:
+        while len(out) < config.max_new_tokens and out[-1] not in eos:
+            if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
+                before_round(self, prompt + out, cache, stats)
+            with torch.inference_mode():
                 out.extend(self._round(out, cache, config, gen, stats))
         out = _truncate(out, config.max_new_tokens, eos)
         stats.wall_s = time.perf_counter() - start

@@ -104,6 +104,12 @@ class ModelDrafter:
         self.pending: list[int] = []
         self.round = _Round()
 
+    def reconfigure(self, shape: TreeShape | None, plan: LayerPlan | None, calibrate: bool) -> None:
+        """Draft differently from the next round on, keeping the cache (online tuning)."""
+        self.shape = shape
+        self.plan = None if plan is None or plan.is_identity else plan
+        self.calibrate = calibrate and self.plan is not None
+
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         extra = self.shape.max_nodes() if self.shape else 0
         self.cache = self.model.new_cache(capacity + extra)
@@ -206,6 +212,9 @@ class SelfDrafter(ModelDrafter):
 
     def __init__(self, model: CausalLM, plan: LayerPlan, shape: TreeShape | None = None) -> None:
         super().__init__(model, model.dims.vocab, shape, plan, calibrate=False)
+
+    def reconfigure(self, shape: TreeShape | None, plan: LayerPlan | None, calibrate: bool) -> None:
+        super().reconfigure(shape, plan, calibrate=False)  # the verify pass already restores exact K/V
 
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         if target_cache is None:

@@ -92,3 +92,13 @@ class KVCache:
             self.all_keys[:, :, start : start + n] = self.all_keys[:, :, src]
             self.all_values[:, :, start : start + n] = self.all_values[:, :, src]
         self.length = start + n
+
+    def snapshot(self, start: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Copy slots ``[start, length)`` of every layer (to undo a scratch forward)."""
+        return self.length, self.all_keys[:, :, start : self.length].clone(), self.all_values[:, :, start : self.length].clone()
+
+    def restore(self, start: int, snap: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        length, keys, values = snap
+        self.all_keys[:, :, start:length] = keys
+        self.all_values[:, :, start:length] = values
+        self.length = length

@@ -140,14 +140,23 @@ DRAFTERS: dict[str, DrafterFactory] = {
 }
 
 
+def build_drafter(pool: ModelPool, target: LoadedModel, strategy: Strategy, lm: CausalLM, draft_name: str | None) -> Drafter | None:
+    return DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
+
+
 def build_decoder(
-    pool: ModelPool, target: LoadedModel, strategy: Strategy, draft_name: str | None = None
+    pool: ModelPool, target: LoadedModel, strategy: Strategy, draft_name: str | None = None,
+    verify_width: int | None = None,
 ) -> Decoder:
+    """A decoder for ``strategy``. ``verify_width`` fixes the padded verify width (the tuner keeps
+    one width, hence one packed copy of the target, for every strategy it tries)."""
     lm = CausalLM(target.hf_model)
-    drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
-    if drafter is None:
+    drafter = build_drafter(pool, target, strategy, lm, draft_name)
+    if drafter is None and verify_width is None:
         return Decoder(lm)
-    width = strategy.max_tree_nodes + 1
+    width = verify_width or strategy.max_tree_nodes + 1
+    if width < strategy.max_tree_nodes + 1:
+        raise RuntimeUserError(f"verify width {width} is too small for a strategy with {strategy.max_tree_nodes} draft nodes")
     backend = verify_backend(pool.device)
     if backend != "dense" and lm.dtype == torch.float32:
         lm = pool.target_for_width(target, backend, width)

@@ -159,7 +159,8 @@ def _suggest_length(trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> int:
 
 
 def _suggest_threshold(trial: optuna.trial.BaseTrial) -> float:
-    return trial.suggest_float("confidence_threshold", 0.0, MAX_THRESHOLD, step=THRESHOLD_STEP)
+    # Optuna's stepped floats carry binary noise (0.35000000000000003); strategies hold the step value
+    return round(trial.suggest_float("confidence_threshold", 0.0, MAX_THRESHOLD, step=THRESHOLD_STEP), 2)
 
 
 def _drafting(trial: optuna.trial.BaseTrial, ctx: SpaceContext, tree: Any = None, **changes: Any) -> Strategy:

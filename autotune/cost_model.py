@@ -1,0 +1,142 @@
+"""A measured cost model: seconds per draft forward (per layer plan) and per target verify.
+
+Nothing is assumed: each number is timed on this machine with the real models, and refreshed
+from the timings the decoder records while it decodes with the incumbent strategy.
+
+- Skip-only plans: ``t = base + n_attn * attn + n_mlp * mlp`` over the sub-layers a plan runs,
+  fitted from three timed plans (all layers; all inner attention skipped; all inner MLPs skipped).
+- Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
+- Verify: one timed target forward at the fixed verify width.
+- Plain decoding: one timed single-token target forward.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from runtime.transformer import CausalLM
+from search_spaces.layer_plan import LayerPlan
+
+EMA = 0.2  # weight of a new observation in the refreshed correction factors
+
+
+class CostModel(Protocol):
+    def draft_forward_s(self, plan: LayerPlan | None) -> float: ...
+
+    def verify_s(self) -> float: ...
+
+    def plain_step_s(self) -> float: ...
+
+    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None: ...
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+@dataclass
+class MeasuredCostModel:
+    """Times forwards of ``draft`` (the drafting model) and ``target`` at ``verify_width`` rows
+    over a context of ``context`` tokens."""
+
+    draft: CausalLM
+    target: CausalLM
+    verify_width: int
+    context: int = 256
+    repeats: int = 3
+    draft_scale: float = 1.0  # measured / predicted, refreshed while decoding
+    verify_scale: float = 1.0
+    _linear: tuple[float, float, float] | None = None  # base, per attention, per MLP
+    _by_plan: dict[LayerPlan | None, float] = field(default_factory=dict)
+    _verify: float | None = None
+    _plain: float | None = None
+    calibration_s: float = 0.0
+
+    def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None) -> float:
+        t0 = time.perf_counter()
+        cache = lm.new_cache(self.context + rows + 1)
+        cache.length = self.context  # timing only: the contents do not matter
+        ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
+
+        def step() -> None:
+            cache.length = self.context
+            with torch.inference_mode():
+                lm(ids, cache, plan=plan, logits_for=slice(-1, None))
+
+        out = _timed(step, self.repeats)
+        self.calibration_s += time.perf_counter() - t0
+        return out
+
+    def _fit(self) -> tuple[float, float, float]:
+        if self._linear is None:
+            n = self.draft.dims.n_layers
+            inner = tuple(range(1, n - 1))
+            full = self._forward_s(self.draft, 1, None)
+            no_attn = self._forward_s(self.draft, 1, LayerPlan(n, skip_attn=inner)) if inner else full
+            no_mlp = self._forward_s(self.draft, 1, LayerPlan(n, skip_mlp=inner)) if inner else full
+            k = max(len(inner), 1)
+            attn, mlp = max(full - no_attn, 0.0) / k, max(full - no_mlp, 0.0) / k
+            self._linear = (max(full - n * (attn + mlp), 0.0), attn, mlp)
+        return self._linear
+
+    def draft_forward_s(self, plan: LayerPlan | None) -> float:
+        if plan is not None and plan.groups:
+            if plan not in self._by_plan:
+                self._by_plan[plan] = self._forward_s(self.draft, 1, plan)
+            return self._by_plan[plan] * self.draft_scale
+        base, attn, mlp = self._fit()
+        n = self.draft.dims.n_layers
+        skipped_a = len(plan.skip_attn) if plan else 0
+        skipped_m = len(plan.skip_mlp) if plan else 0
+        return (base + (n - skipped_a) * attn + (n - skipped_m) * mlp) * self.draft_scale
+
+    def verify_s(self) -> float:
+        if self._verify is None:
+            self._verify = self._forward_s(self.target, self.verify_width, None)
+        return self._verify * self.verify_scale
+
+    def plain_step_s(self) -> float:
+        """One single-token target forward: a round of plain decoding (the bar every strategy must beat)."""
+        if self._plain is None:
+            self._plain = self._forward_s(self.target, 1, None)
+        return self._plain
+
+    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None:
+        """Refresh from one decoded round: its predicted vs measured draft time, and its verify time."""
+        if predicted_draft_s > 0 and draft_s > 0:
+            self.draft_scale *= (1 - EMA) + EMA * draft_s / predicted_draft_s
+        if verify_s > 0 and self._verify:
+            self.verify_scale = (1 - EMA) * self.verify_scale + EMA * verify_s / self._verify
+
+
+@dataclass
+class FixedCostModel:
+    """Constant costs (tests, and what-if analyses)."""
+
+    draft_full_s: float = 1.0
+    verify_const_s: float = 3.0
+
+    def draft_forward_s(self, plan: LayerPlan | None) -> float:
+        if plan is None:
+            return self.draft_full_s
+        return self.draft_full_s * (1.0 - plan.skip_ratio)
+
+    def verify_s(self) -> float:
+        return self.verify_const_s
+
+    def plain_step_s(self) -> float:
+        return self.verify_const_s
+
+    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None:
+        return None

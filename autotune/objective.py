@@ -1,0 +1,79 @@
+"""The tuning objective: predicted tokens/s of a strategy, from its acceptance profile on the
+generated context (matchness) and the measured cost model.
+
+Leviathan et al. theorem 3.8 gives E[tokens per round] = (1 - a^(k+1)) / (1 - a) for an i.i.d.
+acceptance rate a. We generalise it by replaying the window instead of assuming i.i.d.: for
+every start position the chain (or tree, through top-w hits per depth) is drafted as the
+strategy would - stopping early when the draft's confidence falls below the threshold - and its
+accepted prefix counted. Time per round = the round's first draft forward (exact when the
+strategy calibrates) + the further draft forwards + one verify.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.cost_model import CostModel
+from autotune.matchness import TOP_K, Match
+from search_spaces.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens_per_round: float
+    draft_forwards: float  # per round, the first (catch-up) one included
+    seconds_per_round: float
+    draft_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_round / self.seconds_per_round if self.seconds_per_round > 0 else 0.0
+
+
+def _hit_column(width: int) -> int:
+    """The TOP_K column that answers 'is the target's token among this many candidates'."""
+    return max(i for i, k in enumerate(TOP_K) if k <= max(width, 1))
+
+
+def replay(strategy: Strategy, match: Match) -> tuple[float, float, float]:
+    """-> (mean accepted drafts, mean drafted tokens, mean extra draft forwards) per round."""
+    k, eps = strategy.draft_length, strategy.confidence_threshold
+    widths = strategy.tree_widths or (1,) * k
+    hits, conf = match.hits, match.confidence.tolist()
+    w = match.window
+    starts = range(max(1, w - k)) if w > k else range(w)
+    acc_total = drafted_total = forwards_total = 0.0
+    for i in starts:
+        accepted, alive, drafted, forwards = 0, True, 0, 0
+        for d in range(k):
+            pos = i + d
+            if pos >= w:
+                break
+            if d > 0:
+                forwards += 1  # the forward that produced this depth's distribution
+                if conf[pos] < eps:
+                    break
+            drafted += 1
+            if alive and bool(hits[pos, _hit_column(widths[d])]):
+                accepted += 1
+            else:
+                alive = False
+        acc_total += accepted
+        drafted_total += drafted
+        forwards_total += forwards
+    n = max(len(starts), 1)
+    return acc_total / n, drafted_total / n, forwards_total / n
+
+
+def predict(strategy: Strategy, match: Match, cost: CostModel) -> Prediction:
+    accepted, _, extra_forwards = replay(strategy, match)
+    step = cost.draft_forward_s(strategy.layer_plan)
+    plan = strategy.layer_plan
+    calibrates = strategy.drafter == "draft-model" and strategy.calibrate and plan is not None and not plan.is_identity
+    first = cost.draft_forward_s(None) if calibrates else step  # calibration runs the catch-up exactly
+    draft_s = first + extra_forwards * step
+    return Prediction(
+        tokens_per_round=accepted + 1.0,
+        draft_forwards=1.0 + extra_forwards,
+        seconds_per_round=draft_s + cost.verify_s(),
+        draft_seconds=draft_s,
+    )

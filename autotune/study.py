@@ -1,0 +1,211 @@
+"""``autotune study``: decode a task's prompts while tuning the strategy online, persist the best.
+
+1. The space's untuned reference ("uniform": SWIFT's uniform skip, EasySpec's default plan)
+   decodes first; the online tuner (``autotune.tuner``) scores candidates between rounds and
+   switches to better ones; trials go to Optuna's RDB storage (one study per model, draft, task,
+   space and hardware; resumed when it exists).
+2. The best strategy and plain decoding then run side by side on the first ``CHECK_PROMPTS``
+   prompts: measured tokens/s, speedup and token identity.
+3. The faster of the two (plain decoding is a point of every space: a study never stores a
+   strategy slower than not speculating) is recorded in the strategy store (best row + history)
+   in one transaction.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from tqdm import tqdm
+
+from autotune.cost_model import MeasuredCostModel
+from autotune.errors import CliError
+from autotune.records import ResultMetrics, StrategyKey
+from autotune.resolve import strategy_key
+from autotune.tuner import OnlineTuner, TunerSettings
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.loading import LoadedModel
+from runtime.pipeline import ModelPool, build_decoder
+from runtime.stats import DecodeStats
+from search_spaces.layer_plan import uniform_skip_plan
+from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
+from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
+
+# `autotune study` with no --model: the packaged Qwen2.5-Coder pair on HumanEval (no data files needed)
+DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_TASK = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval"
+DEFAULT_SPACE = {"draft-model": "easyspec", "layer-skip": "layer-skip"}  # by whether --draft is given
+MAX_DRAFT_LENGTH = 12
+CHECK_PROMPTS = 2
+
+
+def default_space(draft: str | None) -> str:
+    return DEFAULT_SPACE["draft-model" if draft else "layer-skip"]
+
+
+def check_space_choice(space: SearchSpace, draft: str | None) -> None:
+    """Whether ``space`` can be tuned online with (or without) a draft model; fails before any load."""
+    if space.drafter == "draft-model" and draft is None:
+        raise CliError(f"search space '{space.name}' tunes a draft model; pass --draft MODEL")
+    if space.drafter == "layer-skip" and draft is not None:
+        raise CliError(f"search space '{space.name}' drafts with the target itself; drop --draft")
+    if space.drafter not in ("draft-model", "layer-skip"):
+        raise CliError(
+            f"search space '{space.name}' cannot be tuned online (no drafting model to score with matchness); "
+            "use layer-skip, layer-skip-free, easyspec or draft"
+        )
+
+
+def space_context(space: SearchSpace, target: LoadedModel, draft: LoadedModel | None, skip_ratio: float) -> SpaceContext:
+    check_space_choice(space, None if draft is None else draft.model_id)
+    if space.drafter == "draft-model":
+        assert draft is not None
+        n = draft.hf_model.config.num_hidden_layers
+        base = Strategy()
+    else:
+        n = target.hf_model.config.num_hidden_layers
+        base = Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(n, skip_ratio))
+    return SpaceContext(n_layers=n, base=base, skip_ratio=skip_ratio, max_draft_length=MAX_DRAFT_LENGTH)
+
+
+def verify_width(space: SearchSpace, ctx: SpaceContext) -> int:
+    """One verify width for every strategy of the space (one packed copy of the target)."""
+    bound = ctx.max_draft_length
+    if space.name == "draft":
+        for head, dynamic in TREE_SHAPES.values():
+            widths = (tuple(head) + (1,) * ctx.max_draft_length)[: ctx.max_draft_length] if head else (1,) * ctx.max_draft_length
+            bound = max(bound, tree_node_bound(widths, dynamic))
+    return bound + 1
+
+
+def study_name(key: StrategyKey, space: str) -> str:
+    draft = f"+{key.draft_id}" if key.draft_id else ""
+    return f"{key.model_id}{draft}|{key.task}|{space}|{key.hardware}"
+
+
+@dataclass
+class StudyReport:
+    name: str
+    space: str
+    best: Strategy  # the tuner's best candidate
+    chosen: Strategy  # what was stored: ``best``, or plain decoding when that measured faster
+    uniform: Strategy
+    tuner: dict[str, Any]
+    tune_stats: DecodeStats
+    plain_tps: float
+    best_tps: float
+    identical: bool
+    tuning_share: float
+    storage_url: str
+    history_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.best_tps / self.plain_tps if self.plain_tps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "study": self.name, "space": self.space, "best": self.best.to_dict(), "chosen": self.chosen.to_dict(),
+            "uniform": self.uniform.to_dict(),
+            "tuner": self.tuner, "tune_stats": self.tune_stats.as_dict(), "plain_tps": self.plain_tps,
+            "best_tps": self.best_tps, "speedup": self.speedup, "identical": self.identical,
+            "tuning_share": self.tuning_share, "storage": self.storage_url,
+        }
+
+
+def run_study(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, task: str, prompts: list[list[int]],
+    cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = 0.45,
+    progress: bool = True,
+) -> StudyReport:
+    space = get_space(space_name)
+    draft = pool.get(draft_name, "float32") if draft_name else None
+    ctx = space_context(space, target, draft, skip_ratio)
+    uniform = uniform_strategy(space.name, ctx)
+    width = verify_width(space, ctx)
+    decoder = build_decoder(pool, target, uniform, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+    key = strategy_key(target, draft_name, task, pool.device)
+    name = study_name(key, space.name)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=name, storage=storage.optuna_storage(), direction="maximize", load_if_exists=True,
+        sampler=optuna.samplers.RandomSampler(seed=settings.seed),
+    )
+    initial = _resume(study, space, ctx) or uniform
+    if initial != uniform:
+        decoder = build_decoder(pool, target, initial, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+    else:
+        study.enqueue_trial(space.encode(uniform, ctx), skip_if_exists=True)
+    assert decoder.drafter is not None
+    mean_len = sum(len(p) for p in prompts) // max(len(prompts), 1)
+    cost = MeasuredCostModel(draft=decoder.drafter.model, target=decoder.target, verify_width=width, context=mean_len + cfg.max_new_tokens // 2)
+    tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
+    stats = DecodeStats()
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc=f"study {space.name}", unit="prompt", disable=not progress) as bar:
+        for ids in prompts:
+            tuner.start_prompt(len(ids))
+            result = decoder.generate(ids, cfg, before_round=tuner.before_round)
+            tuner.end_prompt(ids + result.tokens, result.stats)
+            stats = stats.merge(result.stats)
+            bar.update(1)
+            bar.set_postfix_str(f"trials {tuner.state.trials} best {tuner.state.best_score:.2f} tok/s (pred)")
+    tune_wall = time.perf_counter() - start
+    tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # cost-model timing included
+    check = _check(pool, target, draft_name, space, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
+    summary = tuner.summary()
+    study.set_user_attr("kept", summary["kept"])  # predicted vs measured tok/s of every kept strategy
+    # never slower than plain decoding: the tuned strategy is stored only when it measured faster
+    chosen = tuner.best if check.tuned.tokens_per_s > check.plain.tokens_per_s else PLAIN
+    chosen_stats = check.tuned if chosen is tuner.best else check.plain
+    report = StudyReport(
+        name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
+        tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
+        identical=check.identical, tuning_share=tuning_share, storage_url=storage.display_url,
+    )
+    report.history_id = storage.record(key, chosen, ResultMetrics(
+        score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,
+        predicted_tps=(summary["best_predicted_tps"] if chosen is tuner.best else summary["plain_predicted_tps"]) or None,
+        acceptance=chosen_stats.acceptance_rate if chosen_stats.drafted else None,
+        speedup=chosen_stats.tokens_per_s / check.plain.tokens_per_s if check.plain.tokens_per_s else None,
+        tuning_share=tuning_share, study_name=name,
+    ))
+    return report
+
+
+def _resume(study: optuna.Study, space: SearchSpace, ctx: SpaceContext) -> Strategy | None:
+    """The best strategy of an existing study (``load_if_exists``), so tuning goes on from it."""
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if not done:
+        return None
+    best = max(done, key=lambda t: t.value if t.value is not None else float("-inf"))
+    return space.define(optuna.trial.FixedTrial(best.params), ctx)
+
+
+@dataclass
+class Check:
+    plain: DecodeStats
+    tuned: DecodeStats
+    identical: bool
+
+
+def _check(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, space: SearchSpace, best: Strategy,
+    prompts: list[list[int]], cfg: GenerationConfig, width: int,
+) -> Check:
+    """Plain decoding and the best strategy side by side, interleaved after a warm-up: their
+    stats, and whether every output is identical."""
+    plain = build_decoder(pool, target, PLAIN)
+    tuned = build_decoder(pool, target, best, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+    check = Check(DecodeStats(), DecodeStats(), True)
+    warm = GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
+    plain.generate(prompts[0], warm)
+    tuned.generate(prompts[0], warm)
+    for ids in prompts:
+        a = plain.generate(ids, cfg)
+        b = tuned.generate(ids, cfg)
+        check.identical &= a.tokens == b.tokens
+        check.plain = check.plain.merge(a.stats)
+        check.tuned = check.tuned.merge(b.stats)
+    return check

@@ -1,0 +1,94 @@
+"""`autotune study` and bench methods `uniform` / `tuned`: bad input fails before any model loads and
+leaves the store untouched; a real (short) study on SmolLM2 persists a strategy that the other
+commands then load, with output identical to plain decoding."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autotune.storage import open_storage
+from search_spaces.strategy import Strategy
+
+from tests.autotune.test_strategies_cli import assert_one_line_error, no_model_loads, run, snapshot, url  # noqa: F401
+
+
+def study(capsys, *extra: str) -> tuple[int, str, str]:
+    return run(capsys, "study", "--model", "smollm2-135m", "--task", "humaneval", "--limit", "1", *extra)
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--space", "warp"], ["unknown search space 'warp'", "layer-skip"]),
+    (["--space", "easyspec"], ["tunes a draft model", "--draft"]),
+    (["--space", "layer-skip", "--draft", "smollm2-135m"], ["drafts with the target itself", "drop --draft"]),
+    (["--space", "lookup"], ["cannot be tuned online"]),
+    (["--trials", "0"], ["max_trials=0"]),
+    (["--max-share", "0"], ["max_share"]),
+    (["--skip-ratio", "1.5"], ["--skip-ratio"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+])
+def test_bad_study_input_fails_before_loading(capsys, url, no_model_loads, extra, needles):  # noqa: F811
+    before = snapshot(url)
+    code, _, err = study(capsys, "--storage", url, *extra)
+    assert_one_line_error(code, err, *needles)
+    assert snapshot(url) == before
+
+
+def test_unreachable_storage(capsys, no_model_loads):  # noqa: F811
+    code, _, err = study(capsys, "--storage", "postgresql://x@127.0.0.1:1/db")
+    assert_one_line_error(code, err, "cannot open storage")
+
+
+def test_unknown_task(capsys, url, no_model_loads):  # noqa: F811
+    code, _, err = run(capsys, "study", "--model", "smollm2-135m", "--task", "gsm9k", "--storage", url)
+    assert_one_line_error(code, err, "unknown task", "gsm8k")
+
+
+def test_bench_tuned_with_nothing_stored(capsys, tmp_path, no_model_loads):  # noqa: F811
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "gsm8k", "--methods",
+                       "vanilla,tuned:task=humaneval", "--storage", empty)
+    assert_one_line_error(code, err, "no tuned strategy stored", "task humaneval", "autotune study")
+
+
+def test_bench_bad_method_option(capsys, no_model_loads):  # noqa: F811
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "gsm8k", "--methods", "tuned:task=")
+    assert_one_line_error(code, err, "bad option", "task=NAME")
+
+
+@pytest.mark.slow
+def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path):
+    store = f"sqlite:///{tmp_path / 'study.db'}"
+    report_path = tmp_path / "study.json"
+    code, out, err = study(capsys, "--max-new-tokens", "64", "--storage", store, "--window", "16",
+                           "--max-share", "0.5", "--json", str(report_path))
+    assert code == 0, err
+    report = json.loads(report_path.read_text())
+    assert report["identical"] is True
+    assert report["tuner"]["trials"] >= 1 and 0 < report["tuning_share"] < 1
+    assert "speedup vs plain" in out and "tuning share" in out
+    with open_storage(store) as storage:
+        (best,) = storage.list_best(task="humaneval")
+        assert best.strategy == Strategy.from_dict(report["chosen"])
+        assert len(storage.history(best.key)) == 1
+    # optuna's trials live in the same database, with the kept strategies' predicted/measured speed
+    import optuna
+
+    (summary,) = optuna.get_all_study_summaries(storage=store)
+    assert summary.n_trials >= report["tuner"]["trials"]
+    assert optuna.load_study(study_name=summary.study_name, storage=store).user_attrs["kept"]
+    # resuming the study keeps its trials and adds new ones
+    code, _, err = study(capsys, "--max-new-tokens", "48", "--storage", store, "--window", "16", "--max-share", "0.5")
+    assert code == 0, err
+    assert optuna.get_all_study_summaries(storage=store)[0].n_trials > summary.n_trials
+    # generate --strategy best and bench vanilla/uniform/tuned: every output identical to plain
+    code, out, err = run(capsys, "generate", "--model", "smollm2-135m", "--task", "humaneval", "--limit", "1",
+                         "--max-new-tokens", "24", "--strategy", "best", "--storage", store, "--json")
+    assert code == 0, err
+    bench_json = tmp_path / "bench.json"
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--offset", "1",
+                       "--limit", "1", "--max-new-tokens", "32", "--methods", "vanilla,uniform,tuned",
+                       "--storage", store, "--json", str(bench_json))
+    assert code == 0, err
+    methods = json.loads(bench_json.read_text())["methods"]
+    assert all(m["identical_to_baseline"] for m in methods.values())

@@ -1,0 +1,208 @@
+"""Matchness, the objective and the online tuner on tiny random-weight models (fast tier)."""
+from __future__ import annotations
+
+import optuna
+import pytest
+import torch
+
+from autotune.cost_model import FixedCostModel, MeasuredCostModel
+from autotune.matchness import TOP_K, Match, matchness, score_logits
+from autotune.objective import predict, replay
+from autotune.tuner import OnlineTuner, TunerSettings, apply_strategy
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.drafters import ModelDrafter, SelfDrafter
+from runtime.pipeline import tree_shape
+from runtime.transformer import CausalLM
+from search_spaces.errors import SpaceError
+from search_spaces.layer_plan import LayerPlan, easyspec_plan, uniform_skip_plan
+from search_spaces.spaces import SpaceContext, get_space
+from search_spaces.strategy import Strategy
+
+from tests.conftest import tiny_model
+
+N_LAYERS = 8
+PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 12, 30]
+PLANS = {
+    "none": None,
+    "skip": uniform_skip_plan(N_LAYERS, 0.3),
+    "groups": easyspec_plan(N_LAYERS, 3),
+    "mixed": LayerPlan(n_layers=N_LAYERS, groups=((1, 2),), skip_attn=(4,), skip_mlp=(5, 6)),
+}
+
+
+@pytest.fixture(scope="module")
+def target() -> CausalLM:
+    return CausalLM(tiny_model("llama", 40, layers=N_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def draft() -> CausalLM:
+    model = tiny_model("llama", 40, layers=N_LAYERS)  # the target's weights plus noise
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.std())
+    return CausalLM(model)
+
+
+def plain_tokens(lm: CausalLM, n: int) -> list[int]:
+    return PROMPT + Decoder(lm).generate(PROMPT, GenerationConfig(max_new_tokens=n)).tokens
+
+
+def prefilled(lm: CausalLM, tokens: list[int], upto: int):
+    cache = lm.new_cache(len(tokens) + 4)
+    with torch.inference_mode():
+        lm(torch.tensor(tokens[:upto]), cache)
+    return cache
+
+
+# ---------------------------------------------------------------------------------- matchness
+@pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
+def test_matchness_equals_a_token_by_token_reference(target, plan):
+    tokens = plain_tokens(target, 30)
+    window = 16
+    start = len(tokens) - window - 1
+    cache = prefilled(target, tokens, len(tokens) - 1)  # what a decoder holds before a round
+    keys, values, length = cache.all_keys.clone(), cache.all_values.clone(), cache.length
+    got = matchness(target, cache, PLANS[plan], tokens, window)
+    # the cache is left exactly as it was
+    assert cache.length == length
+    assert torch.equal(cache.all_keys, keys) and torch.equal(cache.all_values, values)
+    # reference: exact prefix, then the window's inputs one token per forward under the plan
+    ref_cache = prefilled(target, tokens, start)
+    rows = []
+    with torch.inference_mode():
+        for pos in range(start, len(tokens) - 1):
+            rows.append(target(torch.tensor([tokens[pos]]), ref_cache, plan=PLANS[plan]).float()[0])
+    ref = score_logits(torch.stack(rows), torch.tensor(tokens[len(tokens) - window:]))
+    assert torch.equal(got.hits, ref.hits)
+    assert torch.allclose(got.confidence, ref.confidence, atol=1e-5)
+    if plan == "none":  # the target scoring itself on its own greedy output matches every token
+        assert got.rate == 1.0
+
+
+def test_matchness_rates_and_topk():
+    logits = torch.tensor([[5.0, 1.0, 0.0], [0.0, 5.0, 4.0], [0.0, 1.0, 5.0], [3.0, 2.0, 1.0]])
+    m = score_logits(logits, torch.tensor([0, 2, 0, 1]))
+    assert m.rate == 0.25  # only row 0's argmax is right
+    assert m.topk_rate(2) == 0.75  # rows 0, 1 (second best) and 3
+    assert m.topk_rate(3) == 1.0 and m.hits.shape == (4, len(TOP_K))
+
+
+def test_matchness_needs_a_cached_prefix(target):
+    tokens = plain_tokens(target, 20)
+    cache = prefilled(target, tokens, 3)
+    with pytest.raises(ValueError, match="cannot score a window"):
+        matchness(target, cache, None, tokens, 16)
+
+
+# ---------------------------------------------------------------------------------- objective
+def synthetic(hits_top1: list[bool], conf: list[float]) -> Match:
+    hits = torch.tensor([[h] * len(TOP_K) for h in hits_top1])
+    return Match(hits, torch.tensor(conf))
+
+
+def test_replay_counts_the_accepted_prefix_and_early_stops():
+    all_hit = synthetic([True] * 12, [0.99] * 12)
+    accepted, drafted, forwards = replay(Strategy(draft_length=4, confidence_threshold=0.0), all_hit)
+    assert (accepted, drafted, forwards) == (4.0, 4.0, 3.0)
+    # every third token missed: from each start the chain stops at the next miss
+    pattern = synthetic([i % 3 != 2 for i in range(12)], [0.99] * 12)
+    accepted, _, _ = replay(Strategy(draft_length=4, confidence_threshold=0.0), pattern)
+    assert 0.0 < accepted < 2.0
+    # low confidence after the first draft: only one token drafted per round
+    unsure = synthetic([True] * 12, [0.1] * 12)
+    accepted, drafted, forwards = replay(Strategy(draft_length=4, confidence_threshold=0.5), unsure)
+    assert (accepted, drafted, forwards) == (1.0, 1.0, 1.0)
+
+
+def test_predict_is_theorem_3_8_shaped():
+    cost = FixedCostModel(draft_full_s=1.0, verify_const_s=3.0)
+    p = predict(Strategy(draft_length=4, confidence_threshold=0.0), synthetic([True] * 12, [1.0] * 12), cost)
+    assert p.tokens_per_round == 5.0 and p.seconds_per_round == 4 * 1.0 + 3.0
+    assert p.tokens_per_s == pytest.approx(5 / 7)
+    miss = predict(Strategy(draft_length=4, confidence_threshold=0.0), synthetic([False] * 12, [1.0] * 12), cost)
+    assert miss.tokens_per_round == 1.0 and miss.tokens_per_s < 1 / cost.plain_step_s()
+
+
+def test_measured_cost_model_times_real_forwards(target, draft):
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1)
+    full, skipping = cost.draft_forward_s(None), cost.draft_forward_s(uniform_skip_plan(N_LAYERS, 0.5))
+    assert full > 0 and 0 < skipping <= full
+    assert cost.verify_s() > 0 and cost.plain_step_s() > 0 and cost.calibration_s > 0
+    before = cost.draft_forward_s(None)
+    cost.observe(predicted_draft_s=before, draft_s=2 * before, verify_s=cost.verify_s())
+    assert cost.draft_forward_s(None) > before  # refreshed from a slower measured round
+
+
+# ---------------------------------------------------------------------------------- the tuner
+def self_spec_run(target: CausalLM, seed: int, n_new: int = 48):
+    space = get_space("layer-skip")
+    ctx = SpaceContext(n_layers=N_LAYERS, base=Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(N_LAYERS, 0.3)),
+                       skip_ratio=0.3, max_draft_length=4)
+    initial = space.uniform(ctx)
+    shape = tree_shape(initial)
+    decoder = Decoder(target, SelfDrafter(target, initial.layer_plan, shape), initial.draft_length, verify_width=5)
+    study = optuna.create_study(direction="maximize")
+    settings = TunerSettings(window=8, beta=5, max_trials=30, patience=30, seed=seed, max_share=1.0, trials_per_round=2)
+    tuner = OnlineTuner(space, ctx, study, FixedCostModel(), settings, initial)
+    tuner.start_prompt(len(PROMPT))
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=n_new), before_round=tuner.before_round)
+    tuner.end_prompt(PROMPT + out.tokens, out.stats)
+    return out, tuner, study
+
+
+def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=48)).tokens
+    a_out, a, a_study = self_spec_run(target, seed=7)
+    b_out, b, b_study = self_spec_run(target, seed=7)
+    assert a.state.trials > 10
+    assert [t.params for t in a_study.trials] == [t.params for t in b_study.trials]
+    assert [t.value for t in a_study.trials] == [t.value for t in b_study.trials]
+    assert a.best == b.best and len(a.kept) == len(b.kept)
+    # strategies switched between rounds never change the output
+    assert a_out.tokens == b_out.tokens == plain
+    assert len(a.kept) >= 2  # it did switch at least once
+    c_out, c, c_study = self_spec_run(target, seed=8)
+    assert [t.params for t in c_study.trials] != [t.params for t in a_study.trials]
+    assert c_out.tokens == plain
+
+
+def test_tuner_stops_after_max_trials_and_records_kept(target):
+    _, tuner, study = self_spec_run(target, seed=1)
+    assert tuner.state.trials == 30 and tuner.state.done and tuner.state.stop_reason == "30 trials"
+    summary = tuner.summary()
+    assert summary["trials"] == 30 and summary["plain_predicted_tps"] == pytest.approx(1 / 3.0)
+    assert all(k["predicted_tps"] >= 0 for k in summary["kept"])
+    assert any(k["measured_tps"] for k in summary["kept"])
+
+
+def test_switching_a_draft_model_mid_sequence_is_lossless(target, draft):
+    """Reconfigure a model drafter's plan, calibration and length between rounds (what the tuner does)."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=40)).tokens
+    strategies = [
+        Strategy(draft_length=4, confidence_threshold=0.0),
+        Strategy(draft_length=3, layer_plan=easyspec_plan(N_LAYERS, 3), calibrate=True),
+        Strategy(draft_length=2, layer_plan=easyspec_plan(N_LAYERS, 2), calibrate=False),
+        Strategy(draft_length=4, tree_widths=(2, 1, 1, 1)),
+    ]
+    first = strategies[0]
+    drafter = ModelDrafter(draft, target.dims.vocab, tree_shape(first), first.layer_plan, first.calibrate)
+    decoder = Decoder(target, drafter, first.draft_length, verify_width=6)
+    rounds = iter(range(10**6))
+
+    def hook(dec, tokens, cache, stats):
+        apply_strategy(dec, strategies[next(rounds) % len(strategies)])
+
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40), before_round=hook)
+    assert out.tokens == plain
+    assert out.stats.drafted > 0 and next(rounds) > len(strategies)
+
+
+def test_settings_are_validated():
+    with pytest.raises(SpaceError, match="window"):
+        TunerSettings(window=0)
+    with pytest.raises(SpaceError, match="max_share"):
+        TunerSettings(max_share=0.0)
+    with pytest.raises(SpaceError, match="match_threshold"):
+        TunerSettings(match_threshold=1.5)
