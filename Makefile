@@ -31,10 +31,9 @@ setup: $(STAMP) $(MODELS_STAMP)
 
 models: $(MODELS_STAMP)
 
+# the main job on the embedded default pair (qwen2.5-coder-1.5b + 0.5b draft, HumanEval): tune, check, store
 demo: setup
-	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(VENV)/bin/autotune bench \
-		--model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --task humaneval --limit 2 \
-		--max-new-tokens 96 --methods hf,vanilla,sd --json bench-demo.json
+	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(VENV)/bin/autotune study --limit 3 --max-new-tokens 96
 
 test: setup
 	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(PY) -m pytest -q

@@ -71,6 +71,14 @@ def resolve_strategy(spec: str, storage: Any, key: StrategyKey, fallback: Strate
     return found.strategy
 
 
+def load_best_strategy(
+    target: Any, task: str, draft: str | None = None, storage: Any = None, device: str = "cpu"
+) -> Strategy:
+    """Python API: the stored best strategy for a loaded target (``runtime.loading.LoadedModel``),
+    ``task`` and ``draft`` on this hardware; ``StorageError`` when none is stored."""
+    return resolve_strategy(BEST, storage, strategy_key(target, draft, task, device), fallback=Strategy())
+
+
 def check_strategy_spec(
     spec: str, storage_url: str | None, model: str, draft: str | None, task: str, device: str
 ) -> None:

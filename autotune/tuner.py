@@ -26,13 +26,13 @@ from autotune.cost_model import CostModel
 from autotune.matchness import Match, matchness, usable_window
 from autotune.objective import Prediction, predict
 from runtime.decoding import Decoder
-from runtime.drafters import ModelDrafter
+from runtime.drafters import ModelDrafter, SelfDrafter
 from runtime.kv_cache import KVCache
 from runtime.pipeline import tree_shape
 from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
 from search_spaces.spaces import SearchSpace, SpaceContext
-from search_spaces.strategy import Strategy
+from search_spaces.strategy import PLAIN, Strategy
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ class OnlineTuner:
         if not isinstance(drafter, ModelDrafter) or not usable_window(len(tokens), drafter.cache.length, self.settings.window):
             return False
         state = self.state
+        if state.trials == 0 and isinstance(drafter, SelfDrafter) and self.incumbent.strategy.speculates:
+            self._start_from_plain(decoder)
         use_bayes = (state.trials + 1) % self.settings.beta == 0
         self.study.sampler = self.bayes if use_bayes else self.random
         with torch.enable_grad():  # GP fitting needs autograd
@@ -180,7 +182,7 @@ class OnlineTuner:
             strategy = self.space.define(trial, self.ctx)
             match = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, self.settings.window)
             prediction = predict(strategy, match, self.cost)
-        except Exception:
+        except BaseException:  # Ctrl-C included: the trial is closed as failed, not left running
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
         score = prediction.tokens_per_s
@@ -196,6 +198,16 @@ class OnlineTuner:
             self._incumbent_prediction = prediction
         self._maybe_stop()
         return not state.done
+
+    def _start_from_plain(self, decoder: Decoder) -> None:
+        """Plain decoding is a point of every space: a self-drafter scores candidates on the target's
+        own cache, so decoding can go on without speculating until a candidate is predicted faster."""
+        plain_s = self.cost.plain_step_s()
+        self.state.best_score = 1.0 / plain_s
+        self._incumbent_prediction = None  # plain rounds say nothing about draft or verify cost
+        apply_strategy(decoder, PLAIN)
+        self.incumbent = Kept(PLAIN, trial=-1, predicted_tps=1.0 / plain_s, matchness=0.0)
+        self.kept.append(self.incumbent)
 
     def _switch(self, decoder: Decoder, strategy: Strategy, number: int, prediction: Prediction, match: Match) -> None:
         self._incumbent_prediction = prediction
@@ -239,8 +251,12 @@ class OnlineTuner:
 
 def apply_strategy(decoder: Decoder, strategy: Strategy) -> None:
     """Make ``decoder`` draft with ``strategy`` from the next round on. Every strategy of one
-    space uses the same drafting model, so the drafter is reconfigured in place (cache kept)."""
+    space uses the same drafting model, so the drafter is reconfigured in place (cache kept).
+    ``PLAIN`` stops drafting; the drafter is kept for scoring and later strategies."""
     drafter = decoder.drafter
+    if not strategy.speculates:
+        decoder.draft_length = 0
+        return
     if not isinstance(drafter, ModelDrafter):
         raise SpaceError(f"online tuning needs a model drafter; cannot switch to drafter '{strategy.drafter}'")
     drafter.reconfigure(tree_shape(strategy), strategy.layer_plan, strategy.calibrate)

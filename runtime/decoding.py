@@ -140,7 +140,7 @@ class Decoder:
         the default causal positions and mask."""
         n = 1 + int(draft.tokens.numel())
         ids = torch.cat([torch.tensor([cur]), draft.tokens])
-        pad = max(0, self.verify_width - n) if self.drafter is not None else 0
+        pad = max(0, self.verify_width - n) if n > 1 else 0  # nothing drafted: a plain single-row step
         ids = torch.cat([ids, ids[-1:].expand(pad)])
         positions = mask = None
         dev = self.target.device

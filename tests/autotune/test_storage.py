@@ -367,3 +367,49 @@ def test_sigkill_while_recording_leaves_a_consistent_store(store_url, tmp_path):
         assert proc.returncode == -signal.SIGKILL
         seen = _assert_consistent(store_url)
     assert seen >= 45
+
+
+TUNER_WORKER = r"""
+import os, sys, time
+import optuna
+from autotune.storage import open_storage
+url, worker, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+storage = open_storage(url)
+study = optuna.create_study(study_name="shared", storage=storage.optuna_storage(), direction="maximize",
+                            load_if_exists=True, sampler=optuna.samplers.RandomSampler(seed=worker))
+open(f"{go}.ready{worker}", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.002)
+for _ in range(count):  # what the online tuner does between decode rounds: ask, score, tell
+    trial = study.ask()
+    x = trial.suggest_int("draft_length", 2, 12)
+    trial.set_user_attr("worker", worker)
+    study.tell(trial, float(x))
+"""
+
+
+def test_two_processes_tune_one_optuna_study_concurrently(store_url, tmp_path):
+    open_storage(store_url).close()
+    go = tmp_path / "go"
+    workers = [
+        subprocess.Popen([sys.executable, "-c", TUNER_WORKER, store_url, str(w), "40", str(go)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for w in (1, 2)
+    ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.ready{w}").exists() for w in (1, 2)):
+        assert all(p.poll() is None for p in workers) and time.monotonic() < deadline
+        time.sleep(0.01)
+    go.touch()
+    for proc in workers:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    import optuna
+
+    with open_storage(store_url) as storage:
+        study = optuna.load_study(study_name="shared", storage=storage.optuna_storage())
+        trials = study.get_trials(deepcopy=False)
+    assert len(trials) == 80 and len({t.number for t in trials}) == 80
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert sorted(t.user_attrs["worker"] for t in trials) == [1] * 40 + [2] * 40
