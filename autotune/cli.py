@@ -401,7 +401,11 @@ def format_study(report: Any) -> str:
     table.add_column("field")
     table.add_column("value", overflow="fold")
     plain_pred = t.get("plain_predicted_tps")
-    stored = "the tuned strategy" if report.chosen == report.best else "plain decoding (it measured faster)"
+    if not report.chosen.speculates:
+        stored = "plain decoding (no candidate was faster)" if not report.best.speculates else \
+            "plain decoding (it measured faster than the best candidate)"
+    else:
+        stored = "the best candidate"
     rows = [
         ("best strategy", report.best.to_json()),
         ("uniform (start)", report.uniform.to_json()),

@@ -6,7 +6,7 @@ from the timings the decoder records while it decodes with the incumbent strateg
 - Skip-only plans: ``t = base + n_attn * attn + n_mlp * mlp`` over the sub-layers a plan runs,
   fitted from three timed plans (all layers; all inner attention skipped; all inner MLPs skipped).
 - Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
-- Verify: one timed target forward at the fixed verify width.
+- Verify: the verify rounds seen while decoding (one timed forward at the fixed width before any).
 - Plain decoding: one timed single-token target forward.
 """
 from __future__ import annotations
@@ -32,7 +32,9 @@ class CostModel(Protocol):
 
     def plain_step_s(self) -> float: ...
 
-    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None: ...
+    def observe_draft(self, predicted_s: float, measured_s: float) -> None: ...
+
+    def observe_verify(self, measured_s: float) -> None: ...
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -102,6 +104,7 @@ class MeasuredCostModel:
         return (base + (n - skipped_a) * attn + (n - skipped_m) * mlp) * self.draft_scale
 
     def verify_s(self) -> float:
+        """A verify round: the mean of those seen while decoding, else one timed forward."""
         if self._verify is None:
             self._verify = self._forward_s(self.target, self.verify_width, None)
         return self._verify * self.verify_scale
@@ -112,12 +115,19 @@ class MeasuredCostModel:
             self._plain = self._forward_s(self.target, 1, None)
         return self._plain
 
-    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None:
-        """Refresh from one decoded round: its predicted vs measured draft time, and its verify time."""
-        if predicted_draft_s > 0 and draft_s > 0:
-            self.draft_scale *= (1 - EMA) + EMA * draft_s / predicted_draft_s
-        if verify_s > 0 and self._verify:
-            self.verify_scale = (1 - EMA) * self.verify_scale + EMA * verify_s / self._verify
+    def observe_draft(self, predicted_s: float, measured_s: float) -> None:
+        """Refresh from a decoded round: its predicted vs measured draft time."""
+        if predicted_s > 0 and measured_s > 0:
+            self.draft_scale *= (1 - EMA) + EMA * measured_s / predicted_s
+
+    def observe_verify(self, measured_s: float) -> None:
+        """Refresh from a decoded round's verify time (its first one replaces the timed forward)."""
+        if measured_s <= 0:
+            return
+        if self._verify is None:
+            self._verify, self.verify_scale = measured_s, 1.0
+        else:
+            self.verify_scale = (1 - EMA) * self.verify_scale + EMA * measured_s / self._verify
 
 
 @dataclass
@@ -138,5 +148,8 @@ class FixedCostModel:
     def plain_step_s(self) -> float:
         return self.verify_const_s
 
-    def observe(self, predicted_draft_s: float, draft_s: float, verify_s: float) -> None:
+    def observe_draft(self, predicted_s: float, measured_s: float) -> None:
+        return None
+
+    def observe_verify(self, measured_s: float) -> None:
         return None

@@ -157,7 +157,7 @@ def run_study(
     summary = tuner.summary()
     study.set_user_attr("kept", summary["kept"])  # predicted vs measured tok/s of every kept strategy
     # never slower than plain decoding: the tuned strategy is stored only when it measured faster
-    chosen = tuner.best if check.tuned.tokens_per_s > check.plain.tokens_per_s else PLAIN
+    chosen = tuner.best if tuner.best.speculates and check.tuned.tokens_per_s > check.plain.tokens_per_s else PLAIN
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
     report = StudyReport(
         name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
@@ -197,14 +197,17 @@ def _check(
     """Plain decoding and the best strategy side by side, interleaved after a warm-up: their
     stats, and whether every output is identical."""
     plain = build_decoder(pool, target, PLAIN)
-    tuned = build_decoder(pool, target, best, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+    tuned = None
+    if best.speculates:  # a tuner that kept plain decoding has nothing else to measure
+        tuned = build_decoder(pool, target, best, draft_name if space.drafter == "draft-model" else None, verify_width=width)
     check = Check(DecodeStats(), DecodeStats(), True)
     warm = GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
-    plain.generate(prompts[0], warm)
-    tuned.generate(prompts[0], warm)
+    for decoder in (plain, tuned):
+        if decoder is not None:
+            decoder.generate(prompts[0], warm)
     for ids in prompts:
         a = plain.generate(ids, cfg)
-        b = tuned.generate(ids, cfg)
+        b = tuned.generate(ids, cfg) if tuned is not None else a
         check.identical &= a.tokens == b.tokens
         check.plain = check.plain.merge(a.stats)
         check.tuned = check.tuned.merge(b.stats)

@@ -162,8 +162,10 @@ class OnlineTuner:
             n, d, v, clock = self._last
             self.incumbent.tokens += len(tokens) - n
             self.incumbent.seconds += now - clock
+            if self.incumbent.strategy.speculates and stats.verify_s > v:  # a verify at the fixed width
+                self.cost.observe_verify(stats.verify_s - v)
             if self._incumbent_prediction is not None:
-                self.cost.observe(self._incumbent_prediction.draft_seconds, stats.draft_s - d, stats.verify_s - v)
+                self.cost.observe_draft(self._incumbent_prediction.draft_seconds, stats.draft_s - d)
         self._last = (len(tokens), stats.draft_s, stats.verify_s, now)
 
     # ----------------------------------------------------------------- one trial

@@ -131,8 +131,14 @@ def test_measured_cost_model_times_real_forwards(target, draft):
     assert full > 0 and 0 < skipping <= full
     assert cost.verify_s() > 0 and cost.plain_step_s() > 0 and cost.calibration_s > 0
     before = cost.draft_forward_s(None)
-    cost.observe(predicted_draft_s=before, draft_s=2 * before, verify_s=cost.verify_s())
+    cost.observe_draft(predicted_s=before, measured_s=2 * before)
     assert cost.draft_forward_s(None) > before  # refreshed from a slower measured round
+    verify = cost.verify_s()
+    cost.observe_verify(3 * verify)
+    assert cost.verify_s() > verify
+    fresh = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1)
+    fresh.observe_verify(0.25)  # seen while decoding: no timing run needed
+    assert fresh.verify_s() == 0.25 and fresh.calibration_s == 0.0
 
 
 # ---------------------------------------------------------------------------------- the tuner
