@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype, eos_ids
+from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy

@@ -193,6 +193,19 @@ def _generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
     )
 
 
+def _fitting_prompts(args: argparse.Namespace, pool: Any, target: Any, items: list[Any]) -> tuple[list[Any], Any]:
+    """Tokenised prompts and the generation config; a prompt too long for the context fails here."""
+    from runtime.pipeline import build_decoder, eos_ids
+    from search_spaces.strategy import PLAIN
+
+    prompts = _tokenize(items, target.tokenizer)
+    cfg = _generation_config(args, eos_ids(target))
+    checker = build_decoder(pool, target, PLAIN, None)
+    for _, ids in prompts:
+        checker.check_fits(len(ids), cfg)
+    return prompts, cfg
+
+
 def _check_common(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -286,20 +299,13 @@ def _check_tuned_stored(args: argparse.Namespace, methods: list[Any]) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from autotune.bench import SHARED_WIDTH, BenchContext, format_table, parse_methods, run_bench, write_report
-    from runtime.pipeline import build_decoder, eos_ids
 
     _check_common(args)
     methods = parse_methods(args.methods)
     items = _prompt_items(args)
     _check_tuned_stored(args, methods)
     pool, target, strategy = _load(args)
-    prompts = _tokenize(items, target.tokenizer)
-    cfg = _generation_config(args, eos_ids(target))
-    from search_spaces.strategy import PLAIN
-
-    checker = build_decoder(pool, target, PLAIN, None)
-    for _, ids in prompts:
-        checker.check_fits(len(ids), cfg)
+    prompts, cfg = _fitting_prompts(args, pool, target, items)
     ctx = BenchContext(
         pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy,
         lp_size=args.lp_size, skip_ratio=args.skip_ratio, task=args.task, storage=args.storage,
@@ -353,9 +359,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     from autotune.study import check_space_choice, default_space, run_study
     from autotune.storage import open_storage
     from autotune.tuner import TunerSettings
-    from runtime.pipeline import ModelPool, build_decoder, eos_ids
+    from runtime.pipeline import ModelPool
     from search_spaces.spaces import get_space
-    from search_spaces.strategy import PLAIN
 
     _study_defaults(args)
     _check_common(args)
@@ -375,11 +380,7 @@ def cmd_study(args: argparse.Namespace) -> int:
             from runtime.loading import check_vocab_compatible
 
             check_vocab_compatible(target, pool.get(args.draft, "float32"))
-        prompts = _tokenize(items, target.tokenizer)
-        cfg = _generation_config(args, eos_ids(target))
-        checker = build_decoder(pool, target, PLAIN, None)
-        for _, ids in prompts:
-            checker.check_fits(len(ids), cfg)
+        prompts, cfg = _fitting_prompts(args, pool, target, items)
         report = run_study(
             pool, target, args.draft, args.task, [ids for _, ids in prompts], cfg, storage, space.name, settings,
             skip_ratio=args.skip_ratio,

@@ -24,7 +24,7 @@ from autotune.errors import CliError
 from autotune.records import ResultMetrics, StrategyKey
 from autotune.resolve import strategy_key
 from autotune.tuner import OnlineTuner, TunerSettings
-from runtime.decoding import Decoder, GenerationConfig
+from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
