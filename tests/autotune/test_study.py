@@ -92,3 +92,21 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
     assert code == 0, err
     methods = json.loads(bench_json.read_text())["methods"]
     assert all(m["identical_to_baseline"] for m in methods.values())
+
+
+def test_no_flags_means_the_default_pair_on_humaneval(capsys, monkeypatch, no_model_loads):  # noqa: F811
+    """`autotune study` alone tunes the packaged Qwen pair on HumanEval (seen here through the
+    first model load, which the fixture turns into an error)."""
+    import autotune.cli as cli
+
+    seen = {}
+    real = cli._prompt_items
+
+    def spy(args):
+        seen.update(model=args.model, draft=args.draft, task=args.task)
+        return real(args)
+
+    monkeypatch.setattr(cli, "_prompt_items", spy)
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        cli.main(["study", "--limit", "1", "--storage", "sqlite://"])
+    assert seen == {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "task": "humaneval"}
