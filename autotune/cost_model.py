@@ -6,6 +6,7 @@ from the timings the decoder records while it decodes with the incumbent strateg
 - Skip-only plans: ``t = base + n_attn * attn + n_mlp * mlp`` over the sub-layers a plan runs,
   fitted from three timed plans (all layers; all inner attention skipped; all inner MLPs skipped).
 - Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
+- Bonus calibration's exact catch-up over several rows: linear in rows, from 1 and verify-width rows.
 - Verify: the verify rounds seen while decoding (one timed forward at the fixed width before any).
 - Plain decoding: one timed single-token target forward.
 """
@@ -27,6 +28,8 @@ EMA = 0.2  # weight of a new observation in the refreshed correction factors
 
 class CostModel(Protocol):
     def draft_forward_s(self, plan: LayerPlan | None) -> float: ...
+
+    def catch_up_s(self, rows: float) -> float: ...
 
     def verify_s(self) -> float: ...
 
@@ -60,9 +63,11 @@ class MeasuredCostModel:
     draft_scale: float = 1.0  # measured / predicted, refreshed while decoding
     verify_scale: float = 1.0
     _linear: tuple[float, float, float] | None = None  # base, per attention, per MLP
+    _rows: tuple[float, float] | None = None  # exact draft forward: one row, each further row
     _by_plan: dict[LayerPlan | None, float] = field(default_factory=dict)
     _verify: float | None = None
     _plain: float | None = None
+    _full: float = 0.0  # one exact single-row draft forward (set by _fit)
     calibration_s: float = 0.0
 
     def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None) -> float:
@@ -89,8 +94,21 @@ class MeasuredCostModel:
             no_mlp = self._forward_s(self.draft, 1, LayerPlan(n, skip_mlp=inner)) if inner else full
             k = max(len(inner), 1)
             attn, mlp = max(full - no_attn, 0.0) / k, max(full - no_mlp, 0.0) / k
-            self._linear = (max(full - n * (attn + mlp), 0.0), attn, mlp)
+            if n * (attn + mlp) > full:  # timing noise: keep the full plan's prediction == its timing
+                attn, mlp = (x * full / (n * (attn + mlp)) for x in (attn, mlp))
+            self._linear = (full - n * (attn + mlp), attn, mlp)
+            self._full = full
         return self._linear
+
+    def catch_up_s(self, rows: float) -> float:
+        """An exact draft forward over ``rows`` tokens: with bonus calibration every round starts
+        by re-running its accepted tokens + the bonus token (a wider GEMM than one draft step)."""
+        if self._rows is None:
+            self._fit()
+            wide = max(self.verify_width, 2)
+            self._rows = (self._full, max(self._forward_s(self.draft, wide, None) - self._full, 0.0) / (wide - 1))
+        one, per_row = self._rows
+        return (one + max(rows - 1.0, 0.0) * per_row) * self.draft_scale
 
     def draft_forward_s(self, plan: LayerPlan | None) -> float:
         if plan is not None and plan.groups:
@@ -141,6 +159,9 @@ class FixedCostModel:
         if plan is None:
             return self.draft_full_s
         return self.draft_full_s * (1.0 - plan.skip_ratio)
+
+    def catch_up_s(self, rows: float) -> float:
+        return self.draft_full_s
 
     def verify_s(self) -> float:
         return self.verify_const_s

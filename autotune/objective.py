@@ -5,8 +5,8 @@ Leviathan et al. theorem 3.8 gives E[tokens per round] = (1 - a^(k+1)) / (1 - a)
 acceptance rate a. We generalise it by replaying the window instead of assuming i.i.d.: for
 every start position the chain (or tree, through top-w hits per depth) is drafted as the
 strategy would - stopping early when the draft's confidence falls below the threshold - and its
-accepted prefix counted. Time per round = the round's first draft forward (exact when the
-strategy calibrates) + the further draft forwards + one verify.
+accepted prefix counted. Time per round = the round's first draft forward (with bonus calibration
+an exact forward over the accepted tokens + bonus) + the further draft forwards + one verify.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def predict(strategy: Strategy, match: Match, cost: CostModel) -> Prediction:
     step = cost.draft_forward_s(strategy.layer_plan)
     plan = strategy.layer_plan
     calibrates = strategy.drafter == "draft-model" and strategy.calibrate and plan is not None and not plan.is_identity
-    first = cost.draft_forward_s(None) if calibrates else step  # calibration runs the catch-up exactly
+    # calibration re-runs the accepted tokens + bonus exactly: one forward over that many rows
+    first = cost.catch_up_s(accepted + 1.0) if calibrates else step
     draft_s = first + extra_forwards * step
     return Prediction(
         tokens_per_round=accepted + 1.0,

@@ -5,7 +5,10 @@ generated, before every decode round the tuner asks the study for a candidate (r
 and every ``beta``-th trial a Bayesian sampler: GPSampler, or TPE for conditional spaces),
 scores it - matchness on the last ``window`` tokens in one draft forward, turned into predicted
 tokens/s by the measured cost model - tells the study, and switches the decoder to it when it
-beats the best so far. Tuning stops after ``max_trials`` trials, ``patience`` trials without
+is predicted ``switch_margin`` faster than the incumbent scored on the same window (a score from
+one short window is noisy: the best of many is biased upwards, so the incumbent is re-scored on
+each window rather than kept at its luckiest score). Plain decoding is the incumbent of a
+self-drafter until a candidate beats it. Tuning stops after ``max_trials`` trials, ``patience`` trials without
 improvement, or once matchness reaches ``match_threshold``; decoding then goes on with the best.
 
 Tuning time is held below ``max_share`` of the time decoded so far: a round that would go over
@@ -45,6 +48,8 @@ class TunerSettings:
     # with a draft model matchness starts near 1, and draft length / threshold still need tuning
     match_threshold: float | None = None
     max_share: float = 0.1  # tuning time stays below this share of the time decoded so far
+    # a candidate replaces the incumbent when predicted this much faster on the same window
+    switch_margin: float = 0.05
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
     seed: int = 0
 
@@ -55,6 +60,9 @@ class TunerSettings:
                 raise SpaceError(f"tuner setting {name}={value!r} must be a positive integer")
         if self.match_threshold is not None and not 0.0 < self.match_threshold <= 1.0:
             raise SpaceError(f"tuner setting match_threshold={self.match_threshold!r} must be in (0, 1]")
+        if isinstance(self.switch_margin, bool) or not isinstance(self.switch_margin, (int, float)) \
+                or not 0.0 <= self.switch_margin < 1.0:
+            raise SpaceError(f"tuner setting switch_margin={self.switch_margin!r} must be in [0, 1)")
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
@@ -79,8 +87,8 @@ class Kept:
 class TunerState:
     trials: int = 0
     since_improvement: int = 0
-    best_score: float = float("-inf")
-    best_match: float = 0.0
+    best_score: float = float("-inf")  # the incumbent's predicted tokens/s on the latest window
+    best_match: float = 0.0  # and its matchness there
     tuning_s: float = 0.0
     skipped_for_budget: int = 0  # rounds that ran no trial because tuning was over its time share
     done: bool = False
@@ -116,6 +124,8 @@ class OnlineTuner:
         self._last: tuple[int, float, float, float] | None = None  # tokens, draft_s, verify_s, clock
         self._prompt_start = 0
         self._clock0: float | None = None  # first decode round seen: the time base of max_share
+        self._matches: dict[Any, Match] = {}  # layer plan -> matchness on the current window
+        self._matches_at = -1  # sequence length the cached matches were scored at
 
     # ----------------------------------------------------------------- decode hooks
     def start_prompt(self, prompt_len: int) -> None:
@@ -182,8 +192,9 @@ class OnlineTuner:
             trial = self.study.ask()
         try:
             strategy = self.space.define(trial, self.ctx)
-            match = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, self.settings.window)
+            match = self._match(drafter, strategy, tokens)
             prediction = predict(strategy, match, self.cost)
+            incumbent = self._incumbent_score(drafter, tokens)
         except BaseException:  # Ctrl-C included: the trial is closed as failed, not left running
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
@@ -193,19 +204,43 @@ class OnlineTuner:
         self.study.tell(trial, score)
         state.trials += 1
         state.since_improvement += 1
-        if score > state.best_score:
-            state.best_score, state.best_match, state.since_improvement = score, match.rate, 0
+        if strategy == self.incumbent.strategy:
+            self.incumbent.trial = trial.number
+        elif score > incumbent * (1.0 + self.settings.switch_margin):
+            state.since_improvement = 0
             self._switch(decoder, strategy, trial.number, prediction, match)
-        elif self.incumbent.trial == -1 and strategy == self.incumbent.strategy:
-            self._incumbent_prediction = prediction
         self._maybe_stop()
         return not state.done
+
+    def _match(self, drafter: ModelDrafter, strategy: Strategy, tokens: list[int]) -> Match:
+        """Matchness depends on the layer plan only: one draft forward per plan and window."""
+        if self._matches_at != len(tokens):
+            self._matches, self._matches_at = {}, len(tokens)
+        plan = strategy.layer_plan
+        if plan not in self._matches:
+            self._matches[plan] = matchness(drafter.model, drafter.cache, plan, tokens, self.settings.window)
+        return self._matches[plan]
+
+    def _incumbent_score(self, drafter: ModelDrafter, tokens: list[int]) -> float:
+        """The incumbent's predicted tokens/s on the same window as the candidate: scores from one
+        short window are noisy, and comparing against a stale lucky score would keep a poor
+        incumbent (the best of many noisy scores is biased upwards)."""
+        inc = self.incumbent
+        if not inc.strategy.speculates:
+            score = 1.0 / self.cost.plain_step_s()
+        else:
+            match = self._match(drafter, inc.strategy, tokens)
+            prediction = predict(inc.strategy, match, self.cost)
+            self._incumbent_prediction, score = prediction, prediction.tokens_per_s
+            inc.predicted_tps, inc.matchness = score, match.rate
+            self.state.best_match = match.rate
+        self.state.best_score = score
+        return score
 
     def _start_from_plain(self, decoder: Decoder) -> None:
         """Plain decoding is a point of every space: a self-drafter scores candidates on the target's
         own cache, so decoding can go on without speculating until a candidate is predicted faster."""
         plain_s = self.cost.plain_step_s()
-        self.state.best_score = 1.0 / plain_s
         self._incumbent_prediction = None  # plain rounds say nothing about draft or verify cost
         apply_strategy(decoder, PLAIN)
         self.incumbent = Kept(PLAIN, trial=-1, predicted_tps=1.0 / plain_s, matchness=0.0)
@@ -213,12 +248,10 @@ class OnlineTuner:
 
     def _switch(self, decoder: Decoder, strategy: Strategy, number: int, prediction: Prediction, match: Match) -> None:
         self._incumbent_prediction = prediction
-        if strategy == self.incumbent.strategy:
-            self.incumbent.trial, self.incumbent.predicted_tps, self.incumbent.matchness = number, prediction.tokens_per_s, match.rate
-            return
         apply_strategy(decoder, strategy)
         self.incumbent = Kept(strategy, number, prediction.tokens_per_s, match.rate)
         self.kept.append(self.incumbent)
+        self.state.best_score, self.state.best_match = prediction.tokens_per_s, match.rate
 
     def _maybe_stop(self) -> None:
         s, cfg = self.state, self.settings

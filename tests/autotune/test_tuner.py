@@ -130,6 +130,7 @@ def test_measured_cost_model_times_real_forwards(target, draft):
     full, skipping = cost.draft_forward_s(None), cost.draft_forward_s(uniform_skip_plan(N_LAYERS, 0.5))
     assert full > 0 and 0 < skipping <= full
     assert cost.verify_s() > 0 and cost.plain_step_s() > 0 and cost.calibration_s > 0
+    assert cost.catch_up_s(5) >= cost.catch_up_s(1) == pytest.approx(full)
     before = cost.draft_forward_s(None)
     cost.observe_draft(predicted_s=before, measured_s=2 * before)
     assert cost.draft_forward_s(None) > before  # refreshed from a slower measured round
@@ -217,9 +218,29 @@ def test_switching_a_draft_model_mid_sequence_is_lossless(target, draft):
     assert out.stats.drafted > 0 and next(rounds) > len(strategies)
 
 
+def test_a_candidate_must_beat_the_incumbent_on_the_same_window(target):
+    """With an impossible margin nothing replaces the starting strategy; the incumbent's score is
+    its prediction on the latest window."""
+    space = get_space("layer-skip")
+    ctx = SpaceContext(n_layers=N_LAYERS, base=Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(N_LAYERS, 0.3)),
+                       skip_ratio=0.3, max_draft_length=4)
+    initial = space.uniform(ctx)
+    decoder = Decoder(target, ModelDrafter(target, target.dims.vocab, tree_shape(initial), initial.layer_plan, False),
+                      initial.draft_length, verify_width=5)
+    settings = TunerSettings(window=8, max_trials=12, patience=12, max_share=1.0, switch_margin=0.99)
+    tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
+                        FixedCostModel(draft_full_s=0.2, verify_const_s=1.0), settings, initial)
+    tuner.start_prompt(len(PROMPT))
+    decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40), before_round=tuner.before_round)
+    assert tuner.state.trials > 0 and tuner.best == initial and len(tuner.kept) == 1
+    assert tuner.state.best_score == pytest.approx(tuner.incumbent.predicted_tps) and tuner.state.best_score > 0
+
+
 def test_settings_are_validated():
     with pytest.raises(SpaceError, match="window"):
         TunerSettings(window=0)
+    with pytest.raises(SpaceError, match="switch_margin"):
+        TunerSettings(switch_margin=1.0)
     with pytest.raises(SpaceError, match="max_share"):
         TunerSettings(max_share=0.0)
     with pytest.raises(SpaceError, match="match_threshold"):
