@@ -110,3 +110,15 @@ def test_no_flags_means_the_default_pair_on_humaneval(capsys, monkeypatch, no_mo
     with pytest.raises(AssertionError, match="a model was loaded"):
         cli.main(["study", "--limit", "1", "--storage", "sqlite://"])
     assert seen == {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "task": "humaneval"}
+
+
+@pytest.mark.slow
+def test_strategy_for_another_model_is_one_clear_line(capsys, tmp_path):
+    """A layer-skip strategy tuned for a 24-layer model, given to the 30-layer SmolLM2."""
+    from search_spaces.layer_plan import uniform_skip_plan
+
+    path = tmp_path / "qwen-0.5b.json"
+    path.write_text(Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(24, 0.45)).to_json())
+    code, out, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi", "--strategy", str(path))
+    assert_one_line_error(code, err, "24 layers", "30")
+    assert out == ""
