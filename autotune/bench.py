@@ -247,7 +247,13 @@ def run_bench(
                 totals[name].stats = totals[name].stats.merge(run.stats)
                 totals[name].outputs.append(run.tokens)
                 bar.update(1)
-    return summarise(totals, methods)
+    report = summarise(totals, methods)
+    for spec in specs:  # what each of our methods decoded with (for `tuned`: what was stored)
+        if spec.name in STRATEGY_METHODS:
+            strategy = STRATEGY_METHODS[spec.name](replace(ctx, options=dict(spec.options)))
+            report["methods"][spec.label]["strategy"] = strategy.to_dict()
+    report["verify_width"] = ctx.verify_width
+    return report
 
 
 SHARED_WIDTH = -1  # BenchContext.verify_width: the widest speculative method's width for all of them
