@@ -399,7 +399,8 @@ def test_two_processes_tune_one_optuna_study_concurrently(store_url, tmp_path):
     ]
     deadline = time.monotonic() + 120
     while not all(Path(f"{go}.ready{w}").exists() for w in (1, 2)):
-        assert all(p.poll() is None for p in workers) and time.monotonic() < deadline
+        dead = [p for p in workers if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, dead and dead[0].communicate()[1]
         time.sleep(0.01)
     go.touch()
     for proc in workers:
