@@ -8,7 +8,7 @@ from the timings the decoder records while it decodes with the incumbent strateg
 - Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
 - Bonus calibration's exact catch-up over several rows: linear in rows, from 1 and verify-width rows.
 - Verify: the verify rounds seen while decoding (one timed forward at the fixed width before any).
-- Plain decoding: one timed single-token target forward.
+- Plain decoding: one timed single-token target forward, refreshed from plain rounds while decoding.
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class CostModel(Protocol):
     def observe_draft(self, predicted_s: float, measured_s: float) -> None: ...
 
     def observe_verify(self, measured_s: float) -> None: ...
+
+    def observe_plain(self, measured_s: float) -> None: ...
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
@@ -138,6 +140,11 @@ class MeasuredCostModel:
         if predicted_s > 0 and measured_s > 0:
             self.draft_scale *= (1 - EMA) + EMA * measured_s / predicted_s
 
+    def observe_plain(self, measured_s: float) -> None:
+        """Refresh from a plain decoding round (the bar candidates must beat moves with the machine)."""
+        if measured_s > 0:
+            self._plain = measured_s if self._plain is None else (1 - EMA) * self._plain + EMA * measured_s
+
     def observe_verify(self, measured_s: float) -> None:
         """Refresh from a decoded round's verify time (its first one replaces the timed forward)."""
         if measured_s <= 0:
@@ -173,4 +180,7 @@ class FixedCostModel:
         return None
 
     def observe_verify(self, measured_s: float) -> None:
+        return None
+
+    def observe_plain(self, measured_s: float) -> None:
         return None

@@ -172,8 +172,9 @@ class OnlineTuner:
             n, d, v, clock = self._last
             self.incumbent.tokens += len(tokens) - n
             self.incumbent.seconds += now - clock
-            if self.incumbent.strategy.speculates and stats.verify_s > v:  # a verify at the fixed width
-                self.cost.observe_verify(stats.verify_s - v)
+            if stats.verify_s > v:  # a verify at the fixed width, or a plain single-token step
+                observe = self.cost.observe_verify if self.incumbent.strategy.speculates else self.cost.observe_plain
+                observe(stats.verify_s - v)
             if self._incumbent_prediction is not None:
                 self.cost.observe_draft(self._incumbent_prediction.draft_seconds, stats.draft_s - d)
         self._last = (len(tokens), stats.draft_s, stats.verify_s, now)

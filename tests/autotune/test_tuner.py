@@ -137,6 +137,9 @@ def test_measured_cost_model_times_real_forwards(target, draft):
     verify = cost.verify_s()
     cost.observe_verify(3 * verify)
     assert cost.verify_s() > verify
+    plain = cost.plain_step_s()
+    cost.observe_plain(5 * plain)
+    assert cost.plain_step_s() > plain  # plain rounds seen while decoding move the bar too
     fresh = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1)
     fresh.observe_verify(0.25)  # seen while decoding: no timing run needed
     assert fresh.verify_s() == 0.25 and fresh.calibration_s == 0.0
