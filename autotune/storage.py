@@ -197,9 +197,9 @@ class Storage:
         for attempt in range(WRITE_ATTEMPTS):
             try:
                 return optuna.storages.RDBStorage(url=self.url, engine_kwargs=_engine_kwargs(self._engine.url))
-            except (OperationalError, IntegrityError) as exc:
+            except DBAPIError as exc:
                 # two processes opening a new database at once race to create Optuna's tables; the
-                # loser sees "already exists" (or a lock) and finds them in place on the next try
+                # loser sees "already exists", a duplicate type or a lock, and finds them on the next try
                 if attempt + 1 == WRITE_ATTEMPTS:
                     raise StorageError(f"storage {self.display_url}: cannot open Optuna's tables: {_first_line(exc)}") from exc
                 time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
