@@ -46,13 +46,13 @@ def test_unknown_task(capsys, url, no_model_loads):  # noqa: F811
 
 def test_bench_tuned_with_nothing_stored(capsys, tmp_path, no_model_loads):  # noqa: F811
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
-    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "gsm8k", "--methods",
-                       "vanilla,tuned:task=humaneval", "--storage", empty)
-    assert_one_line_error(code, err, "no tuned strategy stored", "task humaneval", "autotune study")
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--methods",
+                       "vanilla,tuned:task=mt-bench", "--storage", empty)
+    assert_one_line_error(code, err, "no tuned strategy stored", "task mt-bench", "autotune study")
 
 
 def test_bench_bad_method_option(capsys, no_model_loads):  # noqa: F811
-    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "gsm8k", "--methods", "tuned:task=")
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--methods", "tuned:task=")
     assert_one_line_error(code, err, "bad option", "task=NAME")
 
 
