@@ -54,7 +54,7 @@ class Decoder:
         self.drafter = drafter
         self.draft_length = draft_length if drafter is not None else 0
         # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
-        self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None or verify_width else 1
+        self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
 
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
         limit = self.target.dims.max_positions
@@ -65,16 +65,6 @@ class Decoder:
                 f"prompt ({prompt_len} tokens) + max-new-tokens ({config.max_new_tokens}) exceeds the "
                 f"model context of {limit} tokens; shorten the prompt or lower --max-new-tokens"
             )
-
-    def switch(self, drafter: Drafter | None, draft_length: int, tokens: list[int], cache: KVCache) -> None:
-        """Continue the current sequence with another drafter (same verify width); ``tokens`` is
-        the whole sequence so far, ``cache`` the target's cache (holding all but the last)."""
-        if drafter is not None and draft_length + 1 > self.verify_width:
-            raise ValueError(f"draft length {draft_length} does not fit verify width {self.verify_width}")
-        self.drafter = drafter
-        self.draft_length = draft_length if drafter is not None else 0
-        if drafter is not None:
-            drafter.begin(tokens, cache.capacity, cache)
 
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None

@@ -140,10 +140,6 @@ DRAFTERS: dict[str, DrafterFactory] = {
 }
 
 
-def build_drafter(pool: ModelPool, target: LoadedModel, strategy: Strategy, lm: CausalLM, draft_name: str | None) -> Drafter | None:
-    return DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
-
-
 def build_decoder(
     pool: ModelPool, target: LoadedModel, strategy: Strategy, draft_name: str | None = None,
     verify_width: int | None = None,
@@ -151,8 +147,8 @@ def build_decoder(
     """A decoder for ``strategy``. ``verify_width`` fixes the padded verify width (the tuner keeps
     one width, hence one packed copy of the target, for every strategy it tries)."""
     lm = CausalLM(target.hf_model)
-    drafter = build_drafter(pool, target, strategy, lm, draft_name)
-    if drafter is None and verify_width is None:
+    drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
+    if drafter is None:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(lm)
     width = verify_width or strategy.max_tree_nodes + 1
     if width < strategy.max_tree_nodes + 1:
