@@ -73,7 +73,7 @@ class Decoder:
         draft/verify round (the online tuner: it may score candidates and :meth:`switch`)."""
         self.check_fits(len(prompt), config)
         stats = DecodeStats()
-        gen = torch.Generator().manual_seed(config.seed)
+        gen = decode_generator(self.target.device, config.seed)
         capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
         cache = self.target.new_cache(capacity)
         eos = set(config.eos_token_ids)
@@ -89,16 +89,19 @@ class Decoder:
             if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
                 before_round(self, prompt + out, cache, stats)
             with torch.inference_mode():
-                out.extend(self._round(out, cache, config, gen, stats))
-        out = _truncate(out, config.max_new_tokens, eos)
+                out.extend(self._round(out, cache, config, gen, stats, eos))
+        assert len(out) <= config.max_new_tokens  # a round's draft length is capped by the budget
         stats.wall_s = time.perf_counter() - start
         stats.new_tokens = len(out)
         return GenerationResult(out, stats)
 
     def _round(
-        self, out: list[int], cache: KVCache, config: GenerationConfig, gen: torch.Generator, stats: DecodeStats
+        self, out: list[int], cache: KVCache, config: GenerationConfig, gen: torch.Generator, stats: DecodeStats,
+        eos: set[int] = frozenset(),
     ) -> list[int]:
-        """One draft -> verify -> commit round; returns the tokens it appends (>= 1)."""
+        """One draft -> verify -> commit round; returns the tokens it appends (>= 1), ending at
+        the first EOS among them: tokens after an EOS inside an accepted run are dropped, and the
+        stats count only the accepted drafts that are returned."""
         k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
         t0 = time.perf_counter()
         draft = self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
@@ -109,6 +112,9 @@ class Decoder:
             path, nxt = self._verify_tree(out[-1], draft, cache, config.sampling, gen)
         tokens = draft.tokens.tolist()
         new_tokens = [tokens[i] for i in path] + [nxt]
+        end = _first_eos(new_tokens, eos)
+        if end < len(new_tokens):  # the sequence ends inside this round
+            new_tokens, path = new_tokens[:end], path[: min(len(path), end)]
         if self.drafter is not None:
             self.drafter.observe(len(path), new_tokens, path)
         t2 = time.perf_counter()
@@ -178,9 +184,15 @@ def _no_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)  # plain decoding: verify `cur` alone
 
 
-def _truncate(tokens: list[int], limit: int, eos: set[int]) -> list[int]:
-    tokens = tokens[:limit]
+def _first_eos(tokens: list[int], eos: set[int]) -> int:
+    """Length of ``tokens`` up to and including its first EOS (all of it when there is none)."""
     for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[: i + 1]
-    return tokens
+            return i + 1
+    return len(tokens)
+
+
+def decode_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """The decode loop's random source, on the device its draws run on (CUDA sampling with a CPU
+    generator fails). On the CPU, the same seed gives the same stream as ``torch.Generator()``."""
+    return torch.Generator(device=device).manual_seed(seed)
