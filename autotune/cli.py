@@ -386,11 +386,14 @@ def cmd_study(args: argparse.Namespace) -> int:
             skip_ratio=args.skip_ratio,
         )
     print(format_study(report))
+    if report.refused:  # one line on stderr: the lossless check failed and nothing lossy was kept
+        print(f"autotune: refused to store the tuned strategy: its output differed from plain decoding on "
+              f"the check prompts; kept plain decoding for {args.model} / {args.task}", file=sys.stderr)
     if args.json_out:
         from autotune.bench import write_report
 
         write_report(report.as_dict(), args.json_out)
-    return 0
+    return 1 if report.refused else 0
 
 
 def format_study(report: Any) -> str:
@@ -402,11 +405,7 @@ def format_study(report: Any) -> str:
     table.add_column("field")
     table.add_column("value", overflow="fold")
     plain_pred = t.get("plain_predicted_tps")
-    if not report.chosen.speculates:
-        stored = "plain decoding (no candidate was faster)" if not report.best.speculates else \
-            "plain decoding (it measured faster than the best candidate)"
-    else:
-        stored = "the best candidate"
+    stored = report.stored_reason
     rows = [
         ("best strategy", report.best.to_json()),
         ("uniform (start)", report.uniform.to_json()),

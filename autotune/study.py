@@ -97,8 +97,14 @@ class StudyReport:
     identical: bool
     tuning_share: float
     storage_url: str
+    stored_reason: str = ""  # why ``chosen`` was stored (see :func:`choose_stored`)
     history_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def refused(self) -> bool:
+        """The best candidate's output differed from plain decoding, so it was not stored."""
+        return self.best.speculates and not self.identical
 
     @property
     def speedup(self) -> float:
@@ -110,7 +116,8 @@ class StudyReport:
             "uniform": self.uniform.to_dict(),
             "tuner": self.tuner, "tune_stats": self.tune_stats.as_dict(), "plain_tps": self.plain_tps,
             "best_tps": self.best_tps, "speedup": self.speedup, "identical": self.identical,
-            "tuning_share": self.tuning_share, "storage": self.storage_url,
+            "tuning_share": self.tuning_share, "storage": self.storage_url, "stored_reason": self.stored_reason,
+            "refused": self.refused,
         }
 
 
@@ -156,13 +163,13 @@ def run_study(
     check = _check(pool, target, draft_name, space, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
     summary = tuner.summary()
     study.set_user_attr("kept", summary["kept"])  # predicted vs measured tok/s of every kept strategy
-    # never slower than plain decoding: the tuned strategy is stored only when it measured faster
-    chosen = tuner.best if tuner.best.speculates and check.tuned.tokens_per_s > check.plain.tokens_per_s else PLAIN
+    chosen, reason = choose_stored(tuner.best, check)
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
     report = StudyReport(
         name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
         tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
         identical=check.identical, tuning_share=tuning_share, storage_url=storage.display_url,
+        stored_reason=reason,
     )
     report.history_id = storage.record(key, chosen, ResultMetrics(
         score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,
@@ -188,6 +195,20 @@ class Check:
     plain: DecodeStats
     tuned: DecodeStats
     identical: bool
+
+
+def choose_stored(best: Strategy, check: Check) -> tuple[Strategy, str]:
+    """What a study stores for its key, and why. Plain decoding is a point of every space: the
+    best candidate is stored only when its output equalled plain decoding's on every checked
+    prompt (lossless) and it measured faster (never slower than not speculating)."""
+    if not best.speculates:
+        return PLAIN, "plain decoding (no candidate was predicted faster)"
+    if not check.identical:
+        return PLAIN, ("plain decoding: the best candidate's output differed from plain decoding, "
+                       "so it was not stored")
+    if check.tuned.tokens_per_s <= check.plain.tokens_per_s:
+        return PLAIN, "plain decoding (it measured faster than the best candidate)"
+    return best, "the best candidate"
 
 
 def _check(

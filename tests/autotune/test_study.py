@@ -122,3 +122,55 @@ def test_strategy_for_another_model_is_one_clear_line(capsys, tmp_path):
     code, out, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi", "--strategy", str(path))
     assert_one_line_error(code, err, "24 layers", "30")
     assert out == ""
+
+
+def test_a_candidate_whose_output_differed_is_never_chosen():
+    from autotune.study import Check, choose_stored
+    from runtime.stats import DecodeStats
+    from search_spaces.strategy import PLAIN
+
+    fast, slow = DecodeStats(new_tokens=100, wall_s=1.0), DecodeStats(new_tokens=100, wall_s=4.0)
+    best = Strategy(draft_length=4)
+    assert choose_stored(best, Check(plain=slow, tuned=fast, identical=True))[0] == best
+    chosen, reason = choose_stored(best, Check(plain=slow, tuned=fast, identical=False))
+    assert chosen == PLAIN and "differed" in reason
+    assert choose_stored(best, Check(plain=fast, tuned=slow, identical=True))[0] == PLAIN
+    assert choose_stored(PLAIN, Check(plain=fast, tuned=fast, identical=True))[0] == PLAIN
+
+
+@pytest.mark.slow
+def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path, monkeypatch):
+    """A deliberately lossy acceptance rule (greedy: after any drafted round, the token the target
+    adds is off by one) makes the tuned strategy's output differ from plain decoding; the study
+    says so in one line, stores plain decoding for the key, and no row holds the lossy strategy."""
+    import runtime.decoding as decoding
+
+    real_chain, real_tree = decoding.verify_chain_greedy, decoding.verify_tree_greedy
+
+    def lossy_chain(target_argmax, drafts):
+        n, nxt = real_chain(target_argmax, drafts)
+        return (n, (nxt + 1) % target_argmax.max().item()) if len(drafts) else (n, nxt)
+
+    def lossy_tree(target_argmax, tree, tokens):
+        path, nxt = real_tree(target_argmax, tree, tokens)
+        return path, (nxt + 1) % target_argmax.max().item()
+
+    monkeypatch.setattr(decoding, "verify_chain_greedy", lossy_chain)
+    monkeypatch.setattr(decoding, "verify_tree_greedy", lossy_tree)
+    store = f"sqlite:///{tmp_path / 'lossy.db'}"
+    report_path = tmp_path / "study.json"
+    code, out, err = run(capsys, "study", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--space", "draft",
+                         "--task", "humaneval", "--limit", "1", "--max-new-tokens", "32", "--window", "16",
+                         "--max-share", "0.5", "--storage", store, "--json", str(report_path))
+    report = json.loads(report_path.read_text())
+    assert Strategy.from_dict(report["best"]).speculates  # there was a candidate to refuse
+    assert report["identical"] is False and report["refused"] is True
+    assert code == 1
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("autotune:")]  # (stderr also has progress bars)
+    assert "refused to store" in line and "differed from plain decoding" in line
+    from search_spaces.strategy import PLAIN
+
+    with open_storage(store) as storage:
+        (row,) = storage.list_best(task="humaneval")
+        assert row.strategy == PLAIN
+        assert [Strategy.from_json(h.strategy_json) for h in storage.history(row.key)] == [PLAIN]
