@@ -251,6 +251,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from runtime.pipeline import ModelPool, draft_load_dtype
 
     strategy = _strategy(args)
+    if args.draft:  # a draft precision the device cannot run fails before any load
+        draft_load_dtype(strategy, args.device)
     pool = ModelPool(device=args.device)
     target = pool.get(args.model, args.dtype)
     strategy = _chosen_strategy(args, target, strategy)

@@ -107,14 +107,27 @@ PRECISION_BACKEND: dict[str, str] = {"float32": "dense", "bfloat16": "dense", "i
 AUTO_PRECISION: dict[str, str] = {"cpu": "int8", "cuda": "bfloat16", "mps": "bfloat16"}
 
 
+# draft precision -> the device kinds its linear backend runs on (None: any)
+PRECISION_DEVICES: dict[str, tuple[str, ...] | None] = {
+    "float32": None, "bfloat16": None, "int8": ("cpu",),  # int8 is fbgemm's CPU kernel
+}
+
+
 def resolve_precision(precision: str, device: str) -> str:
-    """``auto`` -> the measured best draft precision for the device kind."""
-    if precision != "auto":
-        return precision
+    """``auto`` -> the measured best draft precision for the device kind; a precision the device
+    cannot run is one clear error here, before any model loads."""
     kind = torch.device(device).type
-    if kind not in AUTO_PRECISION:
-        raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
-    return AUTO_PRECISION[kind]
+    if precision == "auto":
+        if kind not in AUTO_PRECISION:
+            raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
+        return AUTO_PRECISION[kind]
+    devices = PRECISION_DEVICES.get(precision)
+    if devices is not None and kind not in devices:
+        raise RuntimeUserError(
+            f"--draft-precision {precision} runs only on {', '.join(devices)} (device is '{device}'); "
+            f"use --draft-precision auto or bfloat16 on {kind}"
+        )
+    return precision
 
 
 def draft_load_dtype(strategy: Strategy, device: str) -> torch.dtype:

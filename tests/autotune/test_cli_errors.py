@@ -36,6 +36,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
         (["generate", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-length", "0", "--prompt", "x"],
          ["draft_length"]),
         (["generate"], ["--model"]),
+        (["generate", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "int8",
+          "--device", "cuda", "--prompt", "x"], ["--draft-precision int8 runs only on cpu", "bfloat16"]),
+        (["bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "int8",
+          "--device", "cuda", "--task", "humaneval", "--methods", "vanilla,sd"], ["int8 runs only on cpu"]),
     ],
 )
 def test_fast_failures(args, needles):
