@@ -110,14 +110,44 @@ def test_matches_brute_force_reference(max_ngram, min_ngram):
     assert d.history == seq
 
 
-def test_long_history_lookup_is_fast():
-    """A few thousand tokens: lookups hit the index, no scan over the history (no timing assert)."""
+class CountingHistory:
+    """A token history that counts how many of its elements the drafter reads."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        out = self.tokens[i]
+        self.reads += len(out) if isinstance(i, slice) else 1
+        return out
+
+    def __iter__(self):
+        self.reads += len(self.tokens)
+        return iter(self.tokens)
+
+    def append(self, tok: int) -> None:
+        self.tokens.append(tok)
+
+
+@pytest.mark.parametrize("size", [200, 5000])
+def test_lookup_work_does_not_grow_with_the_history(size):
+    """Each propose/observe reads O(max_ngram^2 + k) history tokens whatever the history length
+    (an index lookup, no scan): the work per round is the same at 200 and 5000 tokens."""
     rng = random.Random(0)
-    d = drafter([rng.randrange(1000) for _ in range(5000)])
-    for _ in range(2000):
-        tokens = d.propose(4, GREEDY, GEN).tokens.tolist()
-        d.observe(len(tokens), tokens + [rng.randrange(1000)])
-    assert len(d.history) > 7000
+    d = drafter([rng.randrange(50) for _ in range(size)], max_ngram=3)
+    d.history = CountingHistory(d.history)
+    k, rounds = 4, 300
+    for _ in range(rounds):
+        tokens = d.propose(k, GREEDY, GEN).tokens.tolist()
+        d.observe(len(tokens), tokens + [rng.randrange(50)])
+    per_round = d.history.reads / rounds
+    bound = 3 * (1 + 2 + 3) + k  # the suffix n-grams read on lookup and on append (<= k + 1 appends)
+    assert per_round <= 2 * bound, per_round
+    assert len(d.history) >= size + rounds
 
 
 @pytest.mark.parametrize(
