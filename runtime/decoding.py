@@ -70,7 +70,8 @@ class Decoder:
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None
     ) -> GenerationResult:
         """Decode ``prompt``. ``before_round(decoder, tokens, cache, stats)`` runs before every
-        draft/verify round (the online tuner: it may score candidates and :meth:`switch`)."""
+        draft/verify round (the online tuner: it may score candidates and reconfigure the drafter).
+        Decoding stops at the first EOS, even one accepted inside a round."""
         self.check_fits(len(prompt), config)
         stats = DecodeStats()
         gen = decode_generator(self.target.device, config.seed)
