@@ -114,6 +114,13 @@ class AttnInputs:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [T, S] bool or None (attend to all)
     causal: bool
+    windowed: dict[int, torch.Tensor] | None = None  # layer -> its own [T, S] mask (sliding windows)
+
+    def mask_for(self, li: int) -> tuple[torch.Tensor | None, bool]:
+        """The ``(mask, causal)`` attention sub-layer ``li`` uses."""
+        if self.windowed is not None and li in self.windowed:
+            return self.windowed[li], False
+        return self.mask, self.causal
 
 
 class Recorder(Protocol):
@@ -136,7 +143,7 @@ GroupExecutor = Callable[["CausalLM", GroupWeights, torch.Tensor, AttnInputs], d
 def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """Reference: each member's attention on the group input, one after another."""
     return {
-        li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a.cache, a.cos, a.sin, a.mask, a.causal)
+        li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a.cache, a.cos, a.sin, *a.mask_for(li))
         for li in g.members
     }
 
@@ -163,14 +170,9 @@ def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInpu
     else:
         kv = [a.cache.write(li, k[i], v[i]) for i, li in enumerate(g.members)]
         keys, values = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])
-    mask = a.mask
-    if mask is None and a.causal:
-        from runtime.transformer import causal_mask
-
-        mask = causal_mask(0, t, h1.device)
     rep = d.n_heads // d.n_kv_heads
     qp = q.reshape(n, d.n_kv_heads, rep * t, d.head_dim)
-    mp = None if mask is None else mask.repeat(rep, 1)[None, None]
+    mp = _group_mask(a, g.members, t, keys.shape[-2], rep, h1.device)
     out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mp, scale=lm.scale)
     out = out.reshape(n, d.n_heads, t, d.head_dim).transpose(1, 2).reshape(n, t, dq)
     o = torch.baddbmm(g.b_o, out, g.w_o) if g.b_o is not None else torch.bmm(out, g.w_o)  # [N, T, H]
@@ -178,6 +180,26 @@ def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInpu
         for i, li in enumerate(g.members):
             lm.recorder.attn(li, q[i], k[i], v[i], o[i])
     return {li: o[i] for i, li in enumerate(g.members)}
+
+
+def _group_mask(
+    a: AttnInputs, members: tuple[int, ...], t: int, s: int, rep: int, device: torch.device
+) -> torch.Tensor | None:
+    """The SDPA mask of a batched group, its rows repeated per packed query head: ``[1, 1, rep*T, S]``
+    when every member shares one mask, ``[N, 1, rep*T, S]`` when sliding windows differ."""
+    from runtime.transformer import causal_mask
+
+    per_member = [a.mask_for(li) for li in members]
+    if all(m is per_member[0][0] for m, _ in per_member):  # one mask for the whole group
+        mask, causal = per_member[0]
+        if mask is None and not causal:
+            return None
+        per_member = per_member[:1]
+    full = [
+        m if m is not None else causal_mask(0, t, device) if c else torch.ones(t, s, dtype=torch.bool, device=device)
+        for m, c in per_member
+    ]
+    return torch.stack(full).repeat(1, rep, 1)[:, None]
 
 
 GROUP_EXECUTORS: dict[str, GroupExecutor] = {
@@ -206,7 +228,7 @@ def run_blocks(
             if block.group is None and li not in skip_attn:
                 if rec is not None:
                     rec.attn_input(li, h)
-                h = h + lm.attention(lin, layer.input_layernorm(h), li, a.cache, a.cos, a.sin, a.mask, a.causal)
+                h = h + lm.attention(lin, layer.input_layernorm(h), li, a.cache, a.cos, a.sin, *a.mask_for(li))
             elif li in attn_out:
                 h = h + attn_out[li]
             if li not in skip_mlp:

@@ -6,6 +6,7 @@ Batch size is 1 throughout: hidden states are ``[T, H]``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,29 @@ from runtime.linear import Linear, make_linear
 from search_spaces.layer_plan import LayerPlan
 
 
+Windows = tuple[int | None, ...]  # per layer: its sliding attention window, or None (full attention)
+
+
+def no_windows(cfg: Any) -> Windows:
+    """Llama: every layer attends to the whole prefix (``config.sliding_window`` is not read)."""
+    return (None,) * cfg.num_hidden_layers
+
+
+def mistral_windows(cfg: Any) -> Windows:
+    """Mistral: every layer uses ``config.sliding_window`` when it is set (HF ``modeling_mistral``:
+    ``create_sliding_window_causal_mask`` for all layers; ``config.layer_types`` is ignored)."""
+    return (getattr(cfg, "sliding_window", None),) * cfg.num_hidden_layers
+
+
+def layer_type_windows(cfg: Any) -> Windows:
+    """Qwen2: layers whose ``config.layer_types[i]`` is ``"sliding_attention"`` use
+    ``config.sliding_window`` (set only when ``use_sliding_window``; by default the layers from
+    ``max_window_layers`` on are the sliding ones; HF ``Qwen2Attention.sliding_window``)."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
 @dataclass(frozen=True)
 class Family:
     """How to find the decoder parts inside an HF model of one architecture family."""
@@ -27,13 +51,35 @@ class Family:
     embed_attr: str = "model.embed_tokens"
     norm_attr: str = "model.norm"
     rotary_attr: str = "model.rotary_emb"
+    windows: Callable[[Any], Windows] = no_windows  # which layers attend through a sliding window
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
-    "qwen2": Family(),
-    "mistral": Family(),
+    "qwen2": Family(windows=layer_type_windows),
+    "mistral": Family(windows=mistral_windows),
 }
+
+# RoPE variants whose frequencies HF recomputes from the sequence length during the forward
+# (``modeling_rope_utils.dynamic_rope_update``): a precomputed table cannot follow them.
+LENGTH_DEPENDENT_ROPE: dict[str, str] = {
+    "dynamic": "set its rope_type to \"default\" in config.json: HF's dynamic RoPE equals plain RoPE "
+    "up to max_position_embeddings={max_pos} tokens, as far as we decode",
+    "longrope": "it switches from short_factor to long_factor past original_max_position_embeddings; "
+    "use a checkpoint with static RoPE (default, linear, llama3 or yarn)",
+}
+
+
+def check_rope(cfg: Any, rotary: Any) -> None:
+    """Refuse RoPE types our fixed table would silently get wrong."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    advice = LENGTH_DEPENDENT_ROPE.get(rope_type)
+    if advice is not None:
+        raise RuntimeUserError(
+            f"rope_scaling.rope_type='{rope_type}' (config.rope_parameters in transformers 5) is not supported: "
+            f"its RoPE frequencies change with the sequence length; "
+            + advice.format(max_pos=cfg.max_position_embeddings)
+        )
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -103,6 +149,7 @@ class CausalLM:
         self.norm = _get(hf_model, family.norm_attr)
         self.lm_head = hf_model.lm_head
         rotary = _get(hf_model, family.rotary_attr)
+        check_rope(cfg, rotary)
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         self.dims = ModelDims(
@@ -118,6 +165,8 @@ class CausalLM:
         self.device = self.lm_head.weight.device
         self.rope = RotaryTable(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.dtype)
         self.scale = head_dim**-0.5
+        windows = family.windows(cfg)
+        self.windows: Windows | None = windows if any(w is not None for w in windows) else None
         self.head_rows: int | None = None  # restrict the output head to ids [0, head_rows)
         self.backend, self.width = "dense", 1
         self.linears: list[dict[str, Linear]] = []
@@ -215,27 +264,60 @@ class CausalLM:
         cache.check_room(t)
         if positions is None:
             positions = torch.arange(start, start + t, device=self.device)
-        self.rope.ensure(int(positions.max()) + 1, self.device)
+        top = int(positions.max())
+        self.rope.ensure(top + 1, self.device)
         cos, sin = self.rope.lookup(positions)
         causal = mask is None and t > 1
         if causal and start > 0:
             mask = causal_mask(start, t, self.device)
             causal = False
+        windowed = None if self.windows is None else self._window_masks(start, positions, top, mask, causal)
+        a = AttnInputs(cache, cos, sin, mask, causal, windowed)
         h = self.embed(tokens)  # [T, H]
         if (plan is None or plan.is_identity) and self.recorder is None:
             for li, layer in enumerate(self.layers):
                 lin = self.linears[li]
-                h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, mask, causal)
+                h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, *a.mask_for(li))
                 h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
         else:  # a recorder sees every forward through run_blocks (an identity plan: the same math)
             plan = plan if plan is not None else LayerPlan(n_layers=self.dims.n_layers)
-            h = run_blocks(self, self.compiled(plan), h, AttnInputs(cache, cos, sin, mask, causal), self.group_executor)
+            h = run_blocks(self, self.compiled(plan), h, a, self.group_executor)
         cache.advance(t)
         if logits_for is not None:
             h = h[logits_for]
         return self.head(self.norm(h))
 
     __call__ = forward
+
+    def _window_masks(
+        self,
+        start: int,  # cache slots before this forward
+        positions: torch.Tensor,  # [T] rope positions of this forward's tokens
+        top: int,  # positions.max()
+        mask: torch.Tensor | None,  # [T, start + T] bool, or None with ``causal``
+        causal: bool,
+    ) -> dict[int, torch.Tensor] | None:
+        """``{layer: [T, start + T] mask}`` for the sliding-window layers whose window hides a key here.
+
+        HF (``masking_utils.sliding_window_overlay``): a key at position ``k`` is visible to a query
+        at position ``q`` iff ``k > q - window`` (and causal). Slots ``< start`` hold committed tokens
+        at slot == position; this forward's keys sit at ``positions``. (Rows an earlier draft forward
+        of this round wrote after the committed prefix sit at slot >= position: they are the query's
+        tree ancestors, within the window as long as the draft tree is shallower than it.)"""
+        out: dict[int, torch.Tensor] = {}
+        by_window: dict[int, torch.Tensor] = {}
+        for li, w in enumerate(self.windows or ()):
+            if w is None or top < w:  # every key is within the window (positions are >= 0)
+                continue
+            if w not in by_window:
+                t = positions.shape[0]
+                key_pos = torch.cat((torch.arange(start, device=positions.device), positions))  # [S]
+                if mask is None:
+                    mask = causal_mask(0, t, positions.device) if causal else torch.ones(
+                        t, start + t, dtype=torch.bool, device=positions.device)
+                by_window[w] = mask & (key_pos[None, :] > positions[:, None] - w)
+            out[li] = by_window[w]
+        return out or None
 
 
 def _projections(layer: Any) -> list[tuple[str, Any]]:
