@@ -7,6 +7,7 @@ Batch size is 1 throughout: hidden states are ``[T, H]``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# compiled layer plans kept per model (each grouped plan holds a stacked copy of its groups' weights)
+MAX_COMPILED_PLANS = 8
+
+
 class CausalLM:
     """A decoder-only LM executed by our own layer loop over the HF module tree."""
 
@@ -174,7 +179,7 @@ class CausalLM:
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
         self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
-        self._plans: dict[LayerPlan, CompiledPlan] = {}
+        self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
 
     def use_linear_backend(self, backend: str, width: int = 1) -> None:
         """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
@@ -194,10 +199,15 @@ class CausalLM:
         self._plans = other._plans
 
     def compiled(self, plan: LayerPlan) -> CompiledPlan:
-        """``plan`` compiled for this model (stacked group weights), cached per plan."""
-        if plan not in self._plans:
-            self._plans[plan] = compile_plan(self, plan)
-        return self._plans[plan]
+        """``plan`` compiled for this model (stacked group weights), cached per plan; the least
+        recently used plan is dropped beyond ``MAX_COMPILED_PLANS`` (a tuner scores hundreds)."""
+        hit = self._plans.get(plan)
+        if hit is None:
+            hit = self._plans[plan] = compile_plan(self, plan)
+            while len(self._plans) > MAX_COMPILED_PLANS:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(plan)
+        return hit
 
     def _build_head(self) -> Linear:
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
