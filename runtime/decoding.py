@@ -114,8 +114,8 @@ class Decoder:
         tokens = draft.tokens.tolist()
         new_tokens = [tokens[i] for i in path] + [nxt]
         end = _first_eos(new_tokens, eos)
-        if end < len(new_tokens):  # the sequence ends inside this round
-            new_tokens, path = new_tokens[:end], path[: min(len(path), end)]
+        cut = end <= len(path)  # an accepted draft is an EOS: the sequence ends inside this round
+        new_tokens, path = new_tokens[:end], path[:end]
         if self.drafter is not None:
             self.drafter.observe(len(path), new_tokens, path)
         t2 = time.perf_counter()
@@ -123,8 +123,7 @@ class Decoder:
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
         if tokens:
-            depth = len(tokens) if draft.is_chain else compile_tree(draft.parents).max_depth
-            stats.record_round(len(tokens), len(path), depth)
+            _record_round(stats, draft, len(path), cut)
         return new_tokens
 
     def _verify_forward(
@@ -183,6 +182,16 @@ class Decoder:
 
 def _no_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)  # plain decoding: verify `cur` alone
+
+
+def _record_round(stats: DecodeStats, draft: Draft, n_accepted: int, cut: bool) -> None:
+    """Count one verified draft. When the sequence ended at an accepted draft, the drafts deeper
+    than it are not part of the output and are not counted (alpha stays the target's verdict)."""
+    n = int(draft.tokens.numel())
+    depths = list(range(1, n + 1)) if draft.is_chain else compile_tree(draft.parents).depth.tolist()
+    if cut:
+        depths = [d for d in depths if d <= n_accepted]
+    stats.record_round(len(depths), n_accepted, max(depths))
 
 
 def _first_eos(tokens: list[int], eos: set[int]) -> int:

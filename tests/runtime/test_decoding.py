@@ -51,6 +51,10 @@ def test_eos_accepted_mid_round_stops_decoding(tiny_llama, shape):
     assert got.stats.target_forwards == 1 + rounds  # nothing decoded past the EOS
     assert got.stats.drafted > 0 and got.stats.accept_hist[k] == rounds - 1  # earlier rounds accepted all
     assert got.stats.accepted == k * (rounds - 1) + position + 1  # the last round counts drafts up to the EOS
+    # drafts deeper than the EOS are neither accepted nor counted as drafted: every position the
+    # stats saw drafted was accepted (a self-draft), and a chain's alpha stays 1
+    assert got.stats.position_accepted == got.stats.position_drafted
+    assert shape is not None or got.stats.drafted == got.stats.accepted
     check_stats_match_tokens(got.tokens, got.stats)
 
 
