@@ -363,6 +363,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     from autotune.tuner import TunerSettings
     from runtime.pipeline import ModelPool
     from search_spaces.spaces import get_space
+    from studies import routing_text
 
     _study_defaults(args)
     _check_common(args)
@@ -385,7 +386,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         prompts, cfg = _fitting_prompts(args, pool, target, items)
         report = run_study(
             pool, target, args.draft, args.task, [ids for _, ids in prompts], cfg, storage, space.name, settings,
-            skip_ratio=args.skip_ratio,
+            skip_ratio=args.skip_ratio, prompt_texts=[routing_text(item) for item in items],
         )
     print(format_study(report))
     if report.refused:  # one line on stderr: the lossless check failed and nothing lossy was kept

@@ -5,6 +5,7 @@ Frozen and validated on construction (errors name the field); the store is ``aut
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -16,6 +17,11 @@ from search_spaces.strategy import Strategy
 # key column -> most characters stored
 KEY_LIMITS: dict[str, int] = {"model_id": 1024, "model_revision": 255, "draft_id": 1024, "task": 255, "hardware": 512}
 STUDY_NAME_LIMIT = 512  # as Optuna's own study_name column
+# the prompts stored with a record (what a task router is fitted on): at most this many per record, the
+# first ones given, each clipped to this many characters (its head and tail; see ``clip_prompt``)
+PROMPTS_PER_RECORD = 64
+PROMPT_CHARS = 4096
+_CLIP_JOIN = "\n...\n"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,26 @@ class ResultMetrics:
 
     def as_row(self) -> dict[str, Any]:
         return {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in asdict(self).items()}
+
+
+def clip_prompt(text: str) -> str:
+    """``text`` bounded to ``PROMPT_CHARS`` characters: its head and its tail around ``"\\n...\\n"``
+    (an instruction may come first and the question last, as in few-shot prompts). NUL characters,
+    which PostgreSQL's text type refuses, are dropped."""
+    if not isinstance(text, str):
+        raise TypeError(f"a stored prompt must be a string, got {type(text).__name__}")
+    text = text.replace("\x00", "")
+    if len(text) <= PROMPT_CHARS:
+        return text
+    keep = PROMPT_CHARS - len(_CLIP_JOIN)
+    return text[: keep - keep // 2] + _CLIP_JOIN + text[len(text) - keep // 2:]
+
+
+def bounded_prompts(prompts: Sequence[str]) -> list[str]:
+    """The prompts a record stores: the first ``PROMPTS_PER_RECORD``, each through ``clip_prompt``."""
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a sequence of strings, not one string")
+    return [clip_prompt(text) for text in list(prompts)[:PROMPTS_PER_RECORD]]
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, optional: bool = False) -> None:

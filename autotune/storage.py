@@ -7,9 +7,13 @@ the same database (``Storage.optuna_storage()``), so ``optuna-dashboard URL`` sh
 - ``autotune_best``: one row per ``StrategyKey`` (model id + revision, draft id, task, hardware):
   the strategy JSON with the highest ``score`` recorded for the key and its metrics.
 - ``autotune_history``: every result ever recorded (append only).
+- ``autotune_prompts``: the prompts a result was tuned on (its routing texts, in order; at most
+  ``PROMPTS_PER_RECORD``, each clipped to ``PROMPT_CHARS``), by history row: what the server's task
+  router is fitted on (``Storage.routes``).
 
-Each ``record`` is one transaction (history row + best row, or nothing: a crash never leaves a
-half-written strategy). Concurrent writers end with the true best: on SQLite every write transaction
+Each ``record`` is one transaction (history row + prompt rows + best row, or nothing: a crash never
+leaves a half-written strategy). A database created before ``autotune_prompts`` existed gains the
+table when opened (its old results have no prompts). Concurrent writers end with the true best: on SQLite every write transaction
 starts with ``BEGIN IMMEDIATE`` (writers queue on the WAL write lock behind a busy timeout); on
 PostgreSQL the best row is offered with ``INSERT .. ON CONFLICT DO NOTHING`` and then a conditional
 ``UPDATE .. WHERE score < new``, whose row lock re-checks the condition against the latest version.
@@ -20,7 +24,7 @@ import importlib.util
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,12 +39,14 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModu
 
 from autotune.errors import StorageError
 from autotune.records import (
-    KEY_LIMITS, STUDY_NAME_LIMIT, HistoryEntry, ResultMetrics, StoredStrategy, StrategyKey,
+    KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, STUDY_NAME_LIMIT, HistoryEntry, ResultMetrics, StoredStrategy,
+    StrategyKey, bounded_prompts,
 )
 from search_spaces.strategy import Strategy
 
 __all__ = [
-    "HistoryEntry", "ResultMetrics", "Storage", "StoredStrategy", "StrategyKey", "default_storage_url", "open_storage",
+    "PROMPTS_PER_RECORD", "PROMPT_CHARS", "HistoryEntry", "ResultMetrics", "Storage", "StoredStrategy", "StrategyKey",
+    "default_storage_url", "open_storage",
 ]
 
 ENV_STORAGE = "AUTOTUNE_STORAGE"  # overrides the default SQLite file
@@ -88,6 +94,14 @@ history_table = Table(
     Index("ix_autotune_history_key", *KEY_LIMITS),
 )
 
+prompts_table = Table(
+    "autotune_prompts", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("history_id", Integer, nullable=False, index=True),  # the autotune_history row it was tuned for
+    Column("position", Integer, nullable=False),  # order within the record
+    Column("text", Text, nullable=False),
+)
+
 
 def _utcnow() -> datetime:
     return datetime.now(timezone.utc).replace(tzinfo=None)
@@ -115,6 +129,12 @@ def _entry(row: Any) -> HistoryEntry:
 
 def _key_match(table: Table, key: StrategyKey) -> Any:
     return and_(*(table.c[name] == value for name, value in key.as_row().items()))
+
+
+def _scope(table: Table, model_id: str, model_revision: str, draft_id: str, hardware: str) -> Any:
+    """Rows of one model / draft / hardware, any task."""
+    values = dict(model_id=model_id, model_revision=model_revision, draft_id=draft_id, hardware=hardware)
+    return and_(*(table.c[name] == value for name, value in values.items()))
 
 
 T = TypeVar("T")
@@ -145,12 +165,16 @@ class Storage:
         self.close()
 
     # ------------------------------------------------------------------ writes
-    def record(self, key: StrategyKey, strategy: Strategy, metrics: ResultMetrics) -> int:
-        """Append a history row and make ``strategy`` the key's best when its score beats the
-        stored best (or none is stored), in one transaction. Returns the history row id."""
+    def record(
+        self, key: StrategyKey, strategy: Strategy, metrics: ResultMetrics, prompts: Sequence[str] = ()
+    ) -> int:
+        """Append a history row with the ``prompts`` the strategy was tuned on (their routing texts,
+        bounded as ``bounded_prompts`` says) and make ``strategy`` the key's best when its score
+        beats the stored best (or none is stored), in one transaction. Returns the history row id."""
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Strategy, got {type(strategy).__name__}")
         text = strategy.to_json()
+        texts = bounded_prompts(prompts)
 
         def work(conn: Connection) -> int:
             now = _utcnow()
@@ -158,6 +182,9 @@ class Storage:
             history_id = conn.execute(
                 insert(history_table).values(**row, recorded_at=now, strategy=text)
             ).inserted_primary_key[0]
+            if texts:
+                rows = [{"history_id": history_id, "position": i, "text": t} for i, t in enumerate(texts)]
+                conn.execute(insert(prompts_table), rows)
             _offer_best(conn, key, text, metrics, history_id, now)
             return int(history_id)
 
@@ -189,6 +216,38 @@ class Storage:
         """Every result recorded for ``key``, oldest first."""
         query = select(history_table).where(_key_match(history_table, key)).order_by(history_table.c.id)
         return [_entry(row) for row in self._read(lambda conn: conn.execute(query).all())]
+
+    def prompts(self, history_id: int) -> list[str]:
+        """The prompts recorded with history row ``history_id``, in order (empty when none were)."""
+        query = select(prompts_table.c.text).where(prompts_table.c.history_id == history_id)
+        return list(self._read(lambda conn: conn.execute(query.order_by(prompts_table.c.position)).scalars().all()))
+
+    def routes(
+        self, model_id: str, model_revision: str, draft_id: str, hardware: str
+    ) -> list[tuple[StoredStrategy, list[str]]]:
+        """Every best row of this model / draft / hardware (any task, by id), each with the prompts
+        of the history row it came from: what a task router is fitted on. One transaction."""
+        scope = _scope(best_table, model_id, model_revision, draft_id, hardware)
+
+        def work(conn: Connection) -> list[tuple[StoredStrategy, list[str]]]:
+            bests = [_stored(row) for row in conn.execute(select(best_table).where(scope).order_by(best_table.c.id))]
+            texts: dict[int, list[str]] = {b.history_id: [] for b in bests}
+            if texts:
+                query = select(prompts_table.c.history_id, prompts_table.c.text).where(
+                    prompts_table.c.history_id.in_(list(texts))
+                ).order_by(prompts_table.c.history_id, prompts_table.c.position)
+                for history_id, text in conn.execute(query):
+                    texts[history_id].append(text)
+            return [(b, list(texts[b.history_id])) for b in bests]
+
+        return self._read(work)
+
+    def version(self, model_id: str, model_revision: str, draft_id: str, hardware: str) -> tuple[tuple[int, int], ...]:
+        """A cheap fingerprint of this model / draft / hardware's best rows, to compare for
+        equality: it changes whenever a best row is added, replaced (a new history row) or deleted."""
+        scope = _scope(best_table, model_id, model_revision, draft_id, hardware)
+        query = select(best_table.c.id, best_table.c.history_id).where(scope).order_by(best_table.c.id)
+        return tuple((int(i), int(h)) for i, h in self._read(lambda conn: conn.execute(query).all()))
 
     def optuna_storage(self) -> Any:
         """An ``optuna.storages.RDBStorage`` on the same database (studies live beside our tables)."""

@@ -7,12 +7,14 @@
 2. The best strategy and plain decoding then run side by side on the first ``CHECK_PROMPTS``
    prompts: measured tokens/s, speedup and token identity.
 3. The faster of the two (plain decoding is a point of every space: a study never stores a
-   strategy slower than not speculating) is recorded in the strategy store (best row + history)
-   in one transaction.
+   strategy slower than not speculating) is recorded in the strategy store (best row + history +
+   the routing texts of the prompts decoded, which ``autotune serve`` routes requests by) in one
+   transaction.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +126,10 @@ class StudyReport:
 def run_study(
     pool: ModelPool, target: LoadedModel, draft_name: str | None, task: str, prompts: list[list[int]],
     cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = 0.45,
-    progress: bool = True,
+    progress: bool = True, prompt_texts: Sequence[str] = (),
 ) -> StudyReport:
+    """Tune on ``prompts`` (token ids) and record the result; ``prompt_texts`` are their routing
+    texts (``studies.routing_text``), stored with the result for the server's task router."""
     space = get_space(space_name)
     draft = pool.get(draft_name, "float32") if draft_name else None
     ctx = space_context(space, target, draft, skip_ratio)
@@ -177,7 +181,7 @@ def run_study(
         acceptance=chosen_stats.acceptance_rate if chosen_stats.drafted else None,
         speedup=chosen_stats.tokens_per_s / check.plain.tokens_per_s if check.plain.tokens_per_s else None,
         tuning_share=tuning_share, study_name=name,
-    ))
+    ), prompts=prompt_texts)
     return report
 
 

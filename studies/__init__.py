@@ -10,7 +10,7 @@ from studies.fewshot import question_answer_shots
 from studies.gsm8k import DATA_DIR_ENV, Gsm8kTask
 from studies.humaneval import HumanEvalTask
 from studies.mt_bench import MtBenchTask
-from studies.prompt import ChatTokenizer, Message, Prompt, render_prompt
+from studies.prompt import ChatTokenizer, Message, Prompt, render_prompt, routing_text
 from studies.tasks import TASKS, Task, get_task, load_prompts
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "load_prompts",
     "question_answer_shots",
     "render_prompt",
+    "routing_text",
 ]

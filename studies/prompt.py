@@ -50,6 +50,25 @@ def _plain_chat(messages: tuple[Message, ...]) -> str:
     return "\n\n".join(turns) + "\n\nAssistant:"
 
 
+def routing_text(prompt: Prompt) -> str:
+    """The text that says what kind of request ``prompt`` is (what a task router compares).
+
+    With a chat form: the content of the last user turn (system prompts and few-shot turns before it
+    would otherwise dominate; exemplars written inside that same turn stay part of it). Otherwise
+    the plain text. A chat form with no user turn gives the plain text when there is one, else the
+    last turn's content. Studies store this for the prompts they tune on and the server computes
+    it for requests, so both sides compare the same kind of text.
+    """
+    if prompt.messages is not None:
+        users = [content for role, content in prompt.messages if role == "user"]
+        if users:
+            return users[-1]
+        if prompt.text is None:
+            return prompt.messages[-1][1]
+    assert prompt.text is not None  # guaranteed by Prompt.__post_init__
+    return prompt.text
+
+
 def render_prompt(prompt: Prompt, tokenizer: ChatTokenizer | Any) -> str:
     """The text to tokenize for ``prompt``.
 

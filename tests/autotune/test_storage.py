@@ -1,4 +1,5 @@
-"""The strategy store: round trips, best-only-if-better, atomic writes, concurrent writers, crashes.
+"""The strategy store: round trips, best-only-if-better, atomic writes, concurrent writers, crashes,
+and the prompts stored with each result (what the server's task router is fitted on).
 
 Every test taking ``store_url`` runs on SQLite and, with ``AUTOTUNE_TEST_POSTGRES=1``, on a throwaway
 PostgreSQL server started from the system's server binaries (skipped with the reason otherwise).
@@ -23,7 +24,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from autotune.errors import StorageError
-from autotune.storage import ResultMetrics, Storage, StrategyKey, default_storage_url, open_storage
+from autotune.storage import (
+    PROMPT_CHARS, PROMPTS_PER_RECORD, ResultMetrics, Storage, StrategyKey, default_storage_url, open_storage,
+)
 from search_spaces.errors import StrategyError
 from search_spaces.strategy import PLAIN, Strategy
 
@@ -179,6 +182,93 @@ def test_failure_inside_the_transaction_leaves_nothing(store: Storage, monkeypat
     assert store.list_best() == [store.best(KEY)]
 
 
+# ---------------------------------------------------------------------- prompts and routes
+def _prompt_rows(url: str) -> int:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        count = conn.execute(text("SELECT count(*) FROM autotune_prompts")).scalar()
+    engine.dispose()
+    return count
+
+
+def test_prompts_are_recorded_with_the_result(store: Storage):
+    texts = ["def add(a, b):", "Question: 2 + 3?\nAnswer:", "Write a haiku about the sea."]
+    hid = store.record(KEY, PLAIN, ResultMetrics(score=1.0), prompts=texts)
+    assert store.prompts(hid) == texts
+    assert store.prompts(store.record(KEY, PLAIN, ResultMetrics(score=0.5))) == []  # none given: none stored
+    assert store.prompts(hid + 1000) == []
+    [(best, prompts)] = store.routes(KEY.model_id, KEY.model_revision, KEY.draft_id, KEY.hardware)
+    assert best == store.best(KEY) and prompts == texts
+
+
+def test_stored_prompts_are_bounded(store: Storage):
+    long = "HEAD " + "x" * (3 * PROMPT_CHARS) + " TAIL\x00"
+    hid = store.record(KEY, PLAIN, ResultMetrics(score=1.0), prompts=[long] + [f"p{i}" for i in range(100)])
+    stored = store.prompts(hid)
+    assert len(stored) == PROMPTS_PER_RECORD and stored[1:3] == ["p0", "p1"]
+    assert len(stored[0]) == PROMPT_CHARS and stored[0].startswith("HEAD x") and stored[0].endswith("x TAIL")
+    for bad in ("one string", [b"bytes"], [None]):
+        with pytest.raises(TypeError, match="string"):
+            store.record(KEY, PLAIN, ResultMetrics(score=9.0), prompts=bad)
+    assert len(store.history(KEY)) == 1 and store.best(KEY).score == 1.0
+
+
+def test_a_failed_record_leaves_no_prompt_rows(store: Storage, monkeypatch):
+    import autotune.storage as storage_module
+
+    store.record(KEY, PLAIN, ResultMetrics(score=2.0), prompts=["kept"])
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("crash after the prompt rows, before the best row")
+
+    monkeypatch.setattr(storage_module, "_offer_best", boom)
+    with pytest.raises(RuntimeError, match="crash after the prompt rows"):
+        store.record(KEY, Strategy(), ResultMetrics(score=99.0), prompts=["lost 1", "lost 2"])
+    monkeypatch.undo()
+    assert [e.score for e in store.history(KEY)] == [2.0]
+    assert _prompt_rows(store.url) == 1 and store.prompts(store.best(KEY).history_id) == ["kept"]
+
+
+def test_routes_are_the_best_rows_of_one_model_draft_and_hardware(store: Storage):
+    scope = (KEY.model_id, KEY.model_revision, KEY.draft_id, KEY.hardware)
+    code = StrategyKey(KEY.model_id, KEY.model_revision, "", "humaneval", KEY.hardware)
+    elsewhere = [StrategyKey(KEY.model_id, KEY.model_revision, "draft", "gsm8k", KEY.hardware),
+                 StrategyKey(KEY.model_id, KEY.model_revision, "", "gsm8k", "other-cpu"),
+                 StrategyKey(KEY.model_id, "other-revision", "", "gsm8k", KEY.hardware)]
+    assert store.routes(*scope) == [] and store.version(*scope) == ()
+    store.record(KEY, PLAIN, ResultMetrics(score=2.0), prompts=["math 1", "math 2"])
+    store.record(code, Strategy(draft_length=6), ResultMetrics(score=3.0), prompts=["def f():"])
+    version = store.version(*scope)
+    for key in elsewhere:
+        store.record(key, Strategy(), ResultMetrics(score=9.0), prompts=["elsewhere"])
+    store.record(KEY, Strategy(), ResultMetrics(score=1.0), prompts=["worse: not the best"])
+    assert store.version(*scope) == version  # nothing the router reads changed
+    routes = store.routes(*scope)
+    assert [(b.key.task, p) for b, p in routes] == [("gsm8k", ["math 1", "math 2"]), ("humaneval", ["def f():"])]
+    assert [b for b, _ in routes] == [store.best(KEY), store.best(code)]
+
+    store.record(KEY, Strategy(draft_length=3), ResultMetrics(score=5.0), prompts=["math 3"])
+    replaced = store.version(*scope)
+    assert replaced != version and dict((b.key.task, p) for b, p in store.routes(*scope))["gsm8k"] == ["math 3"]
+    store.delete(store.best(code).id)
+    assert store.version(*scope) not in (version, replaced)
+    assert [b.key.task for b, _ in store.routes(*scope)] == ["gsm8k"]
+
+
+def test_a_database_from_before_stored_prompts_gains_the_table(store_url):
+    with open_storage(store_url) as storage:
+        storage.record(KEY, PLAIN, ResultMetrics(score=1.0))
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE autotune_prompts"))
+    engine.dispose()
+    with open_storage(store_url) as storage:
+        [(best, prompts)] = storage.routes(KEY.model_id, KEY.model_revision, KEY.draft_id, KEY.hardware)
+        assert best.score == 1.0 and prompts == []  # an old result: no prompts, so it cannot be routed to
+        hid = storage.record(KEY, Strategy(), ResultMetrics(score=2.0), prompts=["new"])
+        assert storage.prompts(hid) == ["new"]
+
+
 @pytest.mark.parametrize("bad", [
     dict(score=float("nan")), dict(score=1.0, acceptance=1.5), dict(score=1.0, measured_tps=-1.0),
     dict(score=1.0, tuning_share=2.0), dict(score="fast"), dict(score=1.0, study_name=3),
@@ -287,7 +377,8 @@ scores = []
 i = 0
 while count == 0 or i < count:
     score = rng.uniform(0.0, 100.0)
-    storage.record(key, Strategy(draft_length=1 + i % 64), ResultMetrics(score=score, study_name=f"w{worker}"))
+    storage.record(key, Strategy(draft_length=1 + i % 64), ResultMetrics(score=score, study_name=f"w{worker}"),
+                   prompts=[f"w{worker} r{i} p{j}" for j in range(3)])
     scores.append(score)
     i += 1
 print(json.dumps(scores))
@@ -332,6 +423,13 @@ def _assert_consistent(url: str) -> int:
             assert conn.execute(text("PRAGMA integrity_check")).scalar() == "ok"
         nulls = " OR ".join(f"{c} IS NULL" for c in REQUIRED)
         assert conn.execute(text(f"SELECT count(*) FROM autotune_history WHERE {nulls}")).scalar() == 0
+        # every result has all three of its prompts, and no prompt row outlives a rolled-back result
+        per_result = conn.execute(text(
+            "SELECT h.id, count(p.id) FROM autotune_history h LEFT JOIN autotune_prompts p ON p.history_id = h.id "
+            "GROUP BY h.id")).all()
+        assert {n for _, n in per_result} <= {3}
+        orphans = "SELECT count(*) FROM autotune_prompts WHERE history_id NOT IN (SELECT id FROM autotune_history)"
+        assert conn.execute(text(orphans)).scalar() == 0
     engine.dispose()
     with open_storage(url) as storage:
         history = storage.history(KEY)

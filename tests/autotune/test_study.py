@@ -9,6 +9,7 @@ import pytest
 
 from autotune.storage import open_storage
 from search_spaces.strategy import Strategy
+from studies import load_prompts, routing_text
 
 from tests.autotune.test_strategies_cli import assert_one_line_error, no_model_loads, run, snapshot, url  # noqa: F401
 
@@ -71,6 +72,10 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
         (best,) = storage.list_best(task="humaneval")
         assert best.strategy == Strategy.from_dict(report["chosen"])
         assert len(storage.history(best.key)) == 1
+        # with the routing texts of the prompts it decoded, which `autotune serve` routes requests by
+        tuned_on = [routing_text(p) for p in load_prompts("humaneval", limit=1)]
+        assert storage.prompts(best.history_id) == tuned_on
+        assert storage.routes(best.key.model_id, best.key.model_revision, "", best.key.hardware) == [(best, tuned_on)]
     # optuna's trials live in the same database, with the kept strategies' predicted/measured speed
     import optuna
 

@@ -1,11 +1,11 @@
-"""Prompt values and render_prompt with and without a chat template."""
+"""Prompt values, render_prompt with and without a chat template, and routing_text."""
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 
-from studies import Prompt, TaskError, render_prompt
+from studies import Prompt, TaskError, render_prompt, routing_text
 
 
 class TemplateTokenizer:
@@ -72,3 +72,13 @@ def test_prompt_is_frozen_and_hashable() -> None:
     with pytest.raises(AttributeError):
         CHAT_AND_TEXT.text = "changed"  # type: ignore[misc]
     assert len({CHAT_AND_TEXT, Prompt(id="p", messages=(("system", "Be brief."), ("user", "Hi")), text="Hi there")}) == 1
+
+
+def test_routing_text_is_the_last_user_turn_else_the_text() -> None:
+    chat = Prompt(id="c", messages=(
+        ("system", "You are a helpful assistant."), ("user", "Q: 2+2?"), ("assistant", "4"), ("user", "Q: 3+5?"),
+    ), text="plain form")
+    assert routing_text(chat) == "Q: 3+5?"
+    assert routing_text(Prompt(id="t", text="def f():")) == "def f():"
+    assert routing_text(Prompt(id="s", messages=(("system", "be brief"),), text="hello")) == "hello"
+    assert routing_text(Prompt(id="a", messages=(("system", "be brief"), ("assistant", "hi")))) == "hi"
