@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
+    _add_model_args(serve)
+    serve.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
+    serve.add_argument("--route-distance", type=float,
+                       help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
     return parser
 
 
@@ -166,15 +174,9 @@ def _prompt_items(args: argparse.Namespace) -> list[Any]:
 
 
 def _tokenize(items: list[Any], tokenizer: Any) -> list[tuple[str, list[int]]]:
-    from studies import render_prompt
+    from studies import encode_prompt
 
-    out = []
-    for item in items:
-        text = render_prompt(item, tokenizer)
-        templated = getattr(tokenizer, "chat_template", None) is not None and item.messages is not None
-        ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
-        out.append((item.id, list(ids)))
-    return out
+    return [(item.id, encode_prompt(item, tokenizer)) for item in items]
 
 
 def _generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
@@ -428,12 +430,22 @@ def format_study(report: Any) -> str:
     return cap.get()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from autotune.serving.server import ServeConfig, serve
+
+    return serve(ServeConfig(
+        model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, storage=args.storage,
+        host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
+    ))
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": cmd_generate,
     "bench": cmd_bench,
     "study": cmd_study,
     "diagnose": cmd_diagnose,
     "strategies": cmd_strategies,
+    "serve": cmd_serve,
 }
 
 

@@ -36,6 +36,9 @@ class GenerationConfig:
 
 
 RoundHook = Callable[["Decoder", list[int], KVCache, DecodeStats], None]
+# called with every new token so far after the prefill and after each round; True stops decoding
+# there (a stop string seen, a client gone): what a server streams from
+TokensHook = Callable[[list[int]], bool]
 
 
 @dataclass
@@ -67,11 +70,13 @@ class Decoder:
             )
 
     def generate(
-        self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None
+        self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,
+        after_round: TokensHook | None = None,
     ) -> GenerationResult:
         """Decode ``prompt``. ``before_round(decoder, tokens, cache, stats)`` runs before every
-        draft/verify round (the online tuner: it may score candidates and reconfigure the drafter).
-        Decoding stops at the first EOS, even one accepted inside a round."""
+        draft/verify round (the online tuner: it may score candidates and reconfigure the drafter);
+        ``after_round(new_tokens)`` after the prefill and every round (streaming; returning True
+        stops). Decoding stops at the first EOS, even one accepted inside a round."""
         self.check_fits(len(prompt), config)
         stats = DecodeStats()
         gen = decode_generator(self.target.device, config.seed)
@@ -86,11 +91,13 @@ class Decoder:
             stats.target_forwards = 1
             if self.drafter is not None:
                 self.drafter.begin(prompt + out, capacity, cache)
-        while len(out) < config.max_new_tokens and out[-1] not in eos:
+        stop = after_round is not None and after_round(out)
+        while not stop and len(out) < config.max_new_tokens and out[-1] not in eos:
             if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
                 before_round(self, prompt + out, cache, stats)
             with torch.inference_mode():
                 out.extend(self._round(out, cache, config, gen, stats, eos))
+            stop = after_round is not None and after_round(out)
         assert len(out) <= config.max_new_tokens  # a round's draft length is capped by the budget
         stats.wall_s = time.perf_counter() - start
         stats.new_tokens = len(out)

@@ -5,6 +5,7 @@ model input text with the tokenizer's chat template when it has one. Tasks are r
 name in :data:`TASKS`.
 """
 from studies.custom import JsonlPromptsTask
+from studies.encode import encode_prompt
 from studies.errors import TaskError
 from studies.fewshot import question_answer_shots
 from studies.gsm8k import DATA_DIR_ENV, Gsm8kTask
@@ -25,6 +26,7 @@ __all__ = [
     "Prompt",
     "Task",
     "TaskError",
+    "encode_prompt",
     "get_task",
     "load_prompts",
     "question_answer_shots",

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible HTTP API (FastAPI) in front of one decode worker.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with ``[DONE]``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every response carries an ``autotune``
+object next to ``usage``: the route, the strategy (stored id, "plain" or "default"), drafted,
+accepted, M and tokens/s. Bad input is refused here with an OpenAI error body and never reaches
+the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from autotune.serving.protocol import (
+    ApiError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, validation_error,
+)
+from autotune.serving.routing import StrategyBook
+from autotune.serving.text import TextStream
+from autotune.serving.worker import Choice, Job, Outcome
+from runtime.decoding import GenerationConfig
+from runtime.sampling import SamplingParams
+from studies import Prompt, encode_prompt, routing_text
+
+DEFAULT_CHAT_MAX_TOKENS = 256  # a chat request without max_tokens (OpenAI's own default is "up to the context")
+
+
+class Server:
+    """What the endpoints share: the served model, its worker, the strategy book and metrics."""
+
+    def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any) -> None:
+        self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
+        self.tokenizer = target.tokenizer
+        self.context = target.hf_model.config.max_position_embeddings
+        from runtime.pipeline import eos_ids
+
+        self.eos = eos_ids(target)
+
+    def names(self) -> set[str]:
+        return {self.name, self.target.model_id}
+
+    def job(self, req: CompletionRequest | ChatCompletionRequest, prompt: Prompt, emit: Any,
+            default_max: int) -> tuple[Job, int]:
+        """Validate against the model and choose the strategy; -> (job, prompt tokens)."""
+        if req.model not in self.names():
+            raise ApiError(404, f"model '{req.model}' is not served here; GET /v1/models lists '{self.name}'",
+                           "model", code="model_not_found")
+        ids = encode_prompt(prompt, self.tokenizer)
+        room = self.context - len(ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max, max(room, 1))
+        if len(ids) + max_tokens > self.context:
+            raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model "
+                           f"context of {self.context} tokens; shorten the prompt or lower max_tokens",
+                           "max_tokens", code="context_length_exceeded")
+        choice = self.book.choose(routing_text(prompt), req.autotune.strategy)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        seed = req.seed if req.seed is not None else secrets.randbits(31)
+        cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
+        return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit), len(ids)
+
+
+def autotune_fields(choice: Choice, outcome: Outcome) -> dict[str, Any]:
+    s = outcome.stats
+    return {
+        "route": choice.route, "distance": choice.distance, "strategy": choice.label,
+        "drafted": s.drafted, "accepted": s.accepted, "draft_rounds": s.draft_rounds,
+        "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
+        "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
+    }
+
+
+def usage(prompt_tokens: int, outcome: Outcome) -> dict[str, int]:
+    n = len(outcome.tokens)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="autotune serve", version="1")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        server.metrics.errors.labels(str(exc.status)).inc()
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await _api_error(request, validation_error(list(exc.errors())))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error", code="internal_error")
+        return await _api_error(request, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return await _api_error(request, err)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": server.name, "queue_depth": server.worker.depth}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": 0,
+                                            "owned_by": "autotune", "root": server.target.model_id}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        server.metrics.queue_depth.set(server.worker.depth)
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        prompt = Prompt(id="request", text=req.prompt)
+        return await _serve(server, req, prompt, request, "text_completion", "text_completion", default_max=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        prompt = Prompt(id="request", messages=tuple((m.role, m.content) for m in req.messages))
+        return await _serve(server, req, prompt, request, "chat.completion", "chat.completion.chunk",
+                            default_max=DEFAULT_CHAT_MAX_TOKENS)
+
+    return app
+
+
+async def _serve(server: Server, req: Any, prompt: Prompt, request: Request, kind: str, chunk_kind: str,
+                 default_max: int) -> Any:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def emit(event: str, payload: Any) -> None:  # called on the worker thread
+        loop.call_soon_threadsafe(events.put_nowait, (event, payload))
+
+    job, n_prompt = await asyncio.to_thread(server.job, req, prompt, emit, default_max)
+    server.worker.submit(job)  # 503 when the queue is full
+    server.metrics.queue_depth.set(server.worker.depth)
+    rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
+    if req.stream:
+        return StreamingResponse(_sse(server, job, events, rid, chunk_kind, n_prompt), media_type="text/event-stream")
+    try:
+        text_parts = []
+        while True:
+            event, payload = await events.get()
+            if event == "delta":
+                text_parts.append(payload)
+            elif event == "error":
+                raise payload
+            else:
+                outcome: Outcome = payload
+                return completion_body(kind, rid, server.name, outcome.text, outcome.finish_reason,
+                                       usage(n_prompt, outcome), autotune_fields(job.choice, outcome))
+    except asyncio.CancelledError:  # the client went away: stop decoding at the next round
+        job.cancelled.set()
+        raise
+
+
+async def _sse(server: Server, job: Job, events: asyncio.Queue, rid: str, kind: str, n_prompt: int) -> AsyncIterator[str]:
+    model = server.name
+    first = True
+    try:
+        while True:
+            event, payload = await events.get()
+            if event == "delta":
+                yield _data(chunk_body(kind, rid, model, payload, None, first))
+                first = False
+            elif event == "error":
+                yield _data(payload.body())
+                break
+            else:
+                last = chunk_body(kind, rid, model, None, payload.finish_reason, first)
+                last["usage"] = usage(n_prompt, payload)
+                last["autotune"] = autotune_fields(job.choice, payload)
+                yield _data(last)
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # a client that disconnected mid-stream lands here (the generator is closed)
+        job.cancelled.set()
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

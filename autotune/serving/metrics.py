@@ -1,0 +1,56 @@
+"""Prometheus metrics of the server (``GET /metrics``), labelled by route.
+
+The speculative-decoding counters use vLLM's names under our prefix, so dashboards built for vLLM's
+``vllm:spec_decode_*`` read them with the prefix changed:
+``autotune:spec_decode_num_drafts_total`` (verify passes that checked drafts),
+``autotune:spec_decode_num_draft_tokens_total``, ``autotune:spec_decode_num_accepted_tokens_total``
+and ``autotune:spec_decode_num_accepted_tokens_per_pos_total{position}``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from runtime.stats import DecodeStats
+
+PREFIX = "autotune:"
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
+
+
+class ServingMetrics:
+    """One registry per server (tests start several in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        route = ["route"]
+        self.drafts = Counter(f"{PREFIX}spec_decode_num_drafts", "Verify passes that checked draft tokens", route, registry=r)
+        self.draft_tokens = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Draft tokens verified", route, registry=r)
+        self.accepted = Counter(f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted", route, registry=r)
+        self.accepted_per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position", route + ["position"], registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", route, registry=r)
+        self.requests = Counter(f"{PREFIX}requests", "Requests answered, by outcome", route + ["finish_reason"], registry=r)
+        self.errors = Counter(f"{PREFIX}request_errors", "Requests refused or failed, by HTTP status", ["status"], registry=r)
+        self.latency = Histogram(f"{PREFIX}request_latency_seconds", "Request accepted -> last token", route,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Request accepted -> first token", route,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting or being decoded", registry=r)
+        self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
+
+    def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float) -> None:
+        self.drafts.labels(route).inc(stats.draft_rounds)
+        self.draft_tokens.labels(route).inc(stats.drafted)
+        self.accepted.labels(route).inc(stats.accepted)
+        for pos, n in enumerate(stats.position_accepted):
+            self.accepted_per_pos.labels(route, str(pos)).inc(n)
+        self.generation_tokens.labels(route).inc(stats.new_tokens)
+        self.requests.labels(route, finish_reason).inc()
+        self.latency.labels(route).observe(latency_s)
+        self.ttft.labels(route).observe(ttft_s)
+
+    def set_strategy(self, route: str, label: str, strategy_json: str) -> None:
+        self.strategy.labels(route).info({"strategy": label, "json": strategy_json})
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

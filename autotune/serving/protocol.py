@@ -1,0 +1,156 @@
+"""The OpenAI wire format: request bodies (validated), error bodies and response objects.
+
+Requests are pydantic models: a malformed body is a 400 with OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}`` before anything reaches the decode worker.
+Unknown OpenAI fields (``user``, ``logprobs``...) are accepted and ignored, except those whose
+meaning we cannot honour (``n`` > 1, ``best_of`` > 1): those are refused.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+STRATEGY_CHOICES = ("auto", "plain", "default")  # or a stored strategy id (autotune strategies list)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response: ``status`` and the body's fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class AutotuneOptions(BaseModel):
+    """The per-request override: ``{"autotune": {"strategy": "auto|plain|default|ID"}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    strategy: str | int = "auto"
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_form(cls, v: str | int) -> str:
+        text = str(v).strip()
+        if text in STRATEGY_CHOICES or text.isdigit():
+            return text
+        raise ValueError(f"must be one of {', '.join(STRATEGY_CHOICES)} or a stored strategy id, got {v!r}")
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    best_of: int | None = None
+    autotune: AutotuneOptions = Field(default_factory=AutotuneOptions)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"must be at least 1, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("takes up to 4 non-empty strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> "_Common":
+        if self.n != 1 or (self.best_of not in (None, 1)):
+            raise ValueError("n and best_of must be 1: this server returns one choice per request")
+        return self
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str]) -> str:
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("give one prompt string (batches of prompts are not served)")
+            v = v[0]
+        if not v:
+            raise ValueError("must not be empty")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:
+                raise ValueError("max_completion_tokens must be at least 1")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """pydantic/FastAPI validation errors -> one 400 naming the first bad field."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON", None, code="invalid_json")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = f"'{param}': " if param else ""
+    return ApiError(400, f"{where}{msg}", param, code="invalid_value" if param else None)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def completion_body(kind: str, rid: str, model: str, text: str, finish: str | None, usage: dict[str, int],
+                    extra: dict[str, Any]) -> dict[str, Any]:
+    """A whole (non-streamed) response. ``kind``: ``text_completion`` or ``chat.completion``."""
+    if kind == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage, "autotune": extra}
+
+
+def chunk_body(kind: str, rid: str, model: str, text: str | None, finish: str | None,
+               first: bool = False) -> dict[str, Any]:
+    """One SSE chunk. ``kind``: ``text_completion`` or ``chat.completion.chunk``."""
+    if kind == "chat.completion.chunk":
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}

@@ -1,0 +1,165 @@
+"""One decode worker per model: a thread that owns the loaded models and serves a bounded queue.
+
+Requests are decoded one at a time, in arrival order, by the same ``Decoder.generate`` that
+``autotune generate`` runs (no second decode loop). Each strategy in use gets its decoder once
+(built from the shared ``ModelPool``, so switching strategy between requests reloads nothing).
+A request whose client went away is skipped, or stopped at the next round when it is running.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.serving.protocol import ApiError
+from autotune.serving.text import TextStream
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.pipeline import ModelPool, build_decoder
+from runtime.stats import DecodeStats
+from search_spaces.strategy import Strategy
+
+MAX_DECODERS = 8  # decoders kept per worker (each holds its drafter's caches), least recently used out
+RETRY_AFTER_S = 1  # what a 503 for a full queue suggests
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which strategy a request decodes with, and why (the response's ``autotune`` object)."""
+
+    route: str  # a task name, "unknown", or the override ("plain", "default", "id")
+    strategy: Strategy
+    label: str  # stored strategy id, "plain" or "default"
+    distance: float | None = None  # to the route's centroid (auto routing only)
+
+
+@dataclass
+class Outcome:
+    text: str
+    tokens: list[int]
+    stats: DecodeStats
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    ttft_s: float  # request accepted -> first token produced
+    latency_s: float  # request accepted -> decoding done
+
+
+Emit = Callable[[str, Any], None]  # (event, payload): ("delta", str), ("done", Outcome), ("error", ApiError)
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    cfg: GenerationConfig
+    choice: Choice
+    stream: TextStream
+    emit: Emit  # thread-safe: hands events to the request's event loop
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    accepted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+class DecodeWorker:
+    """The decode thread of one model and its bounded queue."""
+
+    def __init__(self, pool: ModelPool, target: Any, draft: str | None, max_queue: int,
+                 on_done: Callable[[Job, Outcome], None] | None = None) -> None:
+        self.pool, self.target, self.draft = pool, target, draft
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.on_done = on_done
+        self.decoders: OrderedDict[Strategy, Decoder] = OrderedDict()
+        self.busy = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="autotune-decode", daemon=True)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting or being decoded."""
+        return self.jobs.qsize() + int(self.busy)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self._closing:
+            raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise ApiError(503, f"the request queue is full ({self.jobs.maxsize} waiting); retry shortly",
+                           type_="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, cancel the waiting ones, stop the running one at its next round."""
+        self._closing = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancelled.set()
+                job.emit("error", ApiError(503, "the server is shutting down", type_="server_error",
+                                           code="shutting_down"))
+        self.jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def decoder(self, strategy: Strategy) -> Decoder:
+        dec = self.decoders.get(strategy)
+        if dec is None:
+            dec = self.decoders[strategy] = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy))
+            while len(self.decoders) > MAX_DECODERS:
+                self.decoders.popitem(last=False)
+        self.decoders.move_to_end(strategy)
+        return dec
+
+    def _draft_for(self, strategy: Strategy) -> str | None:
+        return self.draft if strategy.drafter == "draft-model" else None
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                continue
+            self.busy = True
+            try:
+                self._decode(job)
+            except ApiError as exc:
+                job.emit("error", exc)
+            except Exception as exc:  # a bug must not kill the worker: report it to this request only
+                job.emit("error", ApiError(500, f"decoding failed: {type(exc).__name__}: {exc}",
+                                           type_="server_error", code="decode_failed"))
+            finally:
+                self.busy = False
+
+    def _decode(self, job: Job) -> None:
+        def after_round(tokens: list[int]) -> bool:
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+            delta = job.stream.push(tokens)
+            if delta:
+                job.emit("delta", delta)
+            return job.stream.stopped or job.cancelled.is_set()
+
+        result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+        if job.cancelled.is_set():
+            return
+        tail = job.stream.finish()
+        if tail:
+            job.emit("delta", tail)
+        ended = job.stream.stopped or (result.tokens and result.tokens[-1] in job.cfg.eos_token_ids)
+        now = time.perf_counter()
+        outcome = Outcome(
+            text=job.stream.text, tokens=list(result.tokens), stats=result.stats,
+            finish_reason="stop" if ended else "length",
+            ttft_s=(job.first_token_at or now) - job.accepted_at, latency_s=now - job.accepted_at,
+        )
+        if self.on_done is not None:
+            self.on_done(job, outcome)
+        job.emit("done", outcome)

@@ -1,0 +1,308 @@
+"""`autotune serve` on loopback with the official `openai` client (real SmolLM2, slow tier).
+
+The store holds two tuned strategies, each with the prompts it was tuned on (GSM8K: SWIFT layer
+skip; HumanEval: prompt lookup). Greedy responses must equal plain decoding token for token in
+every mode (auto, plain, default), routing must send each task's prompts to its strategy, the
+metrics must add up to the responses, and bad input must get OpenAI error bodies without harming
+the server.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from autotune.records import ResultMetrics
+from autotune.resolve import strategy_key
+from autotune.serving.server import ServeConfig, build_server, make_app
+from autotune.storage import open_storage
+from runtime.decoding import GenerationConfig
+from runtime.pipeline import build_decoder, eos_ids
+from search_spaces.layer_plan import uniform_skip_plan
+from search_spaces.strategy import PLAIN, Strategy
+from studies import Prompt, encode_prompt, load_prompts, routing_text
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+MAX_TOKENS = 24
+
+
+class LiveServer:
+    """uvicorn serving the app in a thread, on a free loopback port."""
+
+    def __init__(self, server, refresh_s: float = 3600.0) -> None:
+        import uvicorn
+
+        self.server = server
+        self.uv = uvicorn.Server(uvicorn.Config(make_app(server, refresh_s), host="127.0.0.1", port=0,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.uv.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def store(pool, smollm, tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('serve') / 'store.db'}"
+    n = smollm.hf_model.config.num_hidden_layers
+    tuned = {
+        "gsm8k": Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(n, 0.2)),
+        "humaneval": Strategy(drafter="prompt-lookup", draft_length=6),
+    }
+    with open_storage(url) as storage:
+        for task, strategy in tuned.items():
+            texts = [routing_text(p) for p in load_prompts(task, None, 12)]
+            storage.record(strategy_key(smollm, None, task, "cpu"), strategy,
+                           ResultMetrics.from_throughput(20.0), prompts=texts)
+    return url, tuned
+
+
+@pytest.fixture(scope="module")
+def live(pool, smollm, store):
+    url, _ = store
+    storage = open_storage(url)
+    server = build_server(ServeConfig(model=MODEL, storage=url, max_queue=64), storage, pool=pool)
+    with LiveServer(server) as live:
+        yield live
+    storage.close()
+
+
+def plain_text(pool, smollm, prompt: Prompt, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
+    """What `autotune generate` prints for this prompt (plain greedy decoding)."""
+    ids = encode_prompt(prompt, smollm.tokenizer)
+    out = build_decoder(pool, smollm, PLAIN).generate(ids, GenerationConfig(max_new_tokens=max_tokens,
+                                                                            eos_token_ids=eos_ids(smollm)))
+    return smollm.tokenizer.decode(out.tokens, skip_special_tokens=True), len(out.tokens)
+
+
+def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS, **kw):
+    body = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
+                extra_body={"autotune": {"strategy": strategy}}, **kw)
+    if not stream:
+        r = client.chat.completions.create(**body)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.model_extra["autotune"]
+    parts, final = [], None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.model_extra.get("autotune"):
+            final = chunk
+    return "".join(parts), final.usage.completion_tokens, final.model_extra["autotune"]
+
+
+def task_prompt(task: str, offset: int) -> Prompt:
+    (p,) = load_prompts(task, None, 1, offset)
+    return Prompt(id=p.id, messages=(("user", routing_text(p)),))
+
+
+def test_models_and_health(live):
+    assert [m.id for m in live.client().models.list().data] == [MODEL]
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, store, stream):
+    _, tuned = store
+    client = live.client()
+    for task in ("gsm8k", "humaneval"):
+        prompt = task_prompt(task, 15)  # not among the prompts the strategies were stored with
+        want = plain_text(pool, smollm, prompt)
+        for mode in ("auto", "plain", "default"):
+            text, n, info = chat(client, prompt.messages[0][1], mode, stream)
+            assert (text, n) == want, (task, mode)
+            if mode == "auto":
+                assert info["route"] == task and info["strategy"] != "plain"
+                assert info["distance"] < live.server.book.router.threshold
+                assert info["drafted"] > 0  # the stored speculative strategy really ran
+            else:
+                assert info["route"] == mode and info["strategy"] == "plain" and info["drafted"] == 0
+
+
+def test_completions_endpoint_and_unknown_route(live, pool, smollm):
+    client = live.client()
+    text = "The recipe for a perfect sourdough loaf starts with"
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+    want = plain_text(pool, smollm, Prompt(id="c", text=text), 12)
+    assert (r.choices[0].text, r.usage.completion_tokens) == want
+    assert r.model_extra["autotune"]["route"] == "unknown" and r.model_extra["autotune"]["strategy"] == "plain"
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_add_up_to_the_responses(live):
+    client = live.client()
+    names = ["autotune:spec_decode_num_draft_tokens_total", "autotune:spec_decode_num_accepted_tokens_total",
+             "autotune:spec_decode_num_drafts_total", "autotune:generation_tokens_total"]
+    before = {n: _metric(live.url, n, route="gsm8k") for n in names}
+    pos_before = _metric(live.url, "autotune:spec_decode_num_accepted_tokens_per_pos_total", route="gsm8k")
+    got = {"drafted": 0, "accepted": 0, "draft_rounds": 0, "tokens": 0, "per_pos": 0}
+    for offset in (16, 17):
+        prompt = task_prompt("gsm8k", offset)
+        _, n, info = chat(client, prompt.messages[0][1], stream=offset == 17)
+        assert info["route"] == "gsm8k"
+        got["drafted"] += info["drafted"]
+        got["accepted"] += info["accepted"]
+        got["draft_rounds"] += info["draft_rounds"]
+        got["tokens"] += n
+        got["per_pos"] += sum(info["accepted_per_position"])
+    after = {n: _metric(live.url, n, route="gsm8k") for n in names}
+    assert after[names[0]] - before[names[0]] == got["drafted"] > 0
+    assert after[names[1]] - before[names[1]] == got["accepted"]
+    assert after[names[2]] - before[names[2]] == got["draft_rounds"]
+    assert after[names[3]] - before[names[3]] == got["tokens"]
+    assert _metric(live.url, "autotune:spec_decode_num_accepted_tokens_per_pos_total", route="gsm8k") - pos_before \
+        == got["per_pos"]
+    text = httpx.get(f"{live.url}/metrics").text
+    for needle in ("autotune:request_latency_seconds_bucket", "autotune:time_to_first_token_seconds_bucket",
+                   "autotune:queue_depth", 'autotune:route_strategy_info{'):
+        assert needle in text
+
+
+BAD = [
+    ("not json", 400, None),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 8}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "max_tokens"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "autotune": {"strategy": "9999"}}, 400,
+     "autotune.strategy"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "autotune": {"strategy": "fastest"}}, 400,
+     "autotune.strategy"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(live, body, status, param):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{live.url}/v1/chat/completions", timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param, err
+    ok = httpx.post(f"{live.url}/v1/chat/completions", timeout=120,
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_load_full_queue_and_disconnects(pool, smollm, store):
+    """16 concurrent clients (half streaming), 64 requests: none dropped, every one correct; then a
+    full queue answers 503 + Retry-After; clients that leave mid-stream do not stall the worker."""
+    url, _ = store
+    prompts = [task_prompt(task, 20 + i) for task in ("gsm8k", "humaneval") for i in range(4)]
+    want = {p.messages[0][1]: plain_text(pool, smollm, p, 16) for p in prompts}
+    with open_storage(url) as storage, LiveServer(build_server(
+            ServeConfig(model=MODEL, storage=url, max_queue=64), storage, pool=pool)) as live:
+        client = live.client()
+
+        def one(i: int) -> float:
+            text = prompts[i % len(prompts)].messages[0][1]
+            start = time.perf_counter()
+            got = chat(client, text, stream=i % 2 == 1, max_tokens=16)[:2]
+            assert got == want[text], i
+            return time.perf_counter() - start
+
+        with cf.ThreadPoolExecutor(16) as ex:
+            latencies = sorted(ex.map(one, range(64)))
+        p50, p95 = statistics.median(latencies), latencies[int(0.95 * len(latencies)) - 1]
+        print(f"\nload: 64 requests, 16 clients: p50 {p50:.2f} s, p95 {p95:.2f} s")
+        assert httpx.get(f"{live.url}/health").json()["queue_depth"] == 0
+
+    with open_storage(url) as storage, LiveServer(build_server(
+            ServeConfig(model=MODEL, storage=url, max_queue=2), storage, pool=pool)) as live:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to fifty."}],
+                "max_tokens": 48, "temperature": 0}
+        with cf.ThreadPoolExecutor(8) as ex:
+            codes = list(ex.map(lambda _: httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=300), range(8)))
+        full = [r for r in codes if r.status_code == 503]
+        assert full and all(r.headers["Retry-After"] and r.json()["error"]["code"] == "queue_full" for r in full)
+        assert any(r.status_code == 200 for r in codes)
+        # clients that disconnect after the first chunk
+        for _ in range(3):
+            with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+                next(r.iter_lines())
+        start = time.perf_counter()
+        text, n, _ = chat(live.client(), "Say hi.", max_tokens=4)
+        assert n >= 1 and time.perf_counter() - start < 60
+        assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+def test_cli_serve_starts_and_exits_0_on_sigterm(store, tmp_path):
+    url, _ = store
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--model", MODEL, "--storage", url,
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and "autotune" in r.json()
+        # the port is taken now: a second server is one line, exit 2
+        second = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", "--model", MODEL, "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "cannot listen" in second.stderr and "Traceback" not in second.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--model", MODEL, "--storage", "postgresql://x@127.0.0.1:1/db"], "cannot open storage"),
+    (["--model", MODEL, "--max-queue", "0"], "--max-queue"),
+])
+def test_cli_serve_startup_errors(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *args, "--port", "0"],
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
