@@ -115,3 +115,23 @@ def test_sampled_decoding_is_reproducible_per_seed(tiny_llama):
     assert decoder.generate(PROMPT, cfg).tokens == decoder.generate(PROMPT, cfg).tokens
     other = GenerationConfig(max_new_tokens=20, sampling=SamplingParams(temperature=1.0), seed=4)
     assert decoder.generate(PROMPT, cfg).tokens != decoder.generate(PROMPT, other).tokens
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_after_round_streams_every_token_and_can_stop(tiny_llama, speculative):
+    """``after_round`` sees the tokens grow round by round (what a server streams), and returning
+    True ends decoding there with stats that describe what was returned."""
+    decoder = self_draft_decoder(tiny_llama, 3) if speculative else Decoder(CausalLM(tiny_llama))
+    cfg = GenerationConfig(max_new_tokens=30)
+    full = decoder.generate(PROMPT, cfg).tokens
+    seen: list[list[int]] = []
+
+    def after_round(tokens: list[int]) -> bool:
+        seen.append(list(tokens))
+        return len(tokens) >= 10
+
+    got = decoder.generate(PROMPT, cfg, after_round=after_round)
+    assert got.tokens == full[: len(got.tokens)] and 10 <= len(got.tokens) < 30
+    assert seen[-1] == got.tokens and all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
+    assert len(seen) == got.stats.target_forwards  # once after the prefill, once per round
+    check_stats_match_tokens(got.tokens, got.stats)
