@@ -35,6 +35,19 @@ def tiny_model(
     return model.eval()
 
 
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A draft that mostly agrees with the target: its weights plus noise (greedy tests only; the
+    distribution tests use independently seeded drafts)."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+    return draft
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> torch.nn.Module:
     return tiny_model("llama", 0)

@@ -3,7 +3,6 @@
 Our forward must equal HF's for every config it accepts, and refuse the ones it cannot match."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from runtime.transformer import CausalLM
 from runtime.tree import compile_tree, verify_mask
 from search_spaces import LayerPlan
 
-from tests.conftest import tiny_model
+from tests.conftest import noisy_copy, tiny_model
 
 WINDOW = 4
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 30, 2, 77, 14]  # 12 tokens: three windows' worth
@@ -51,16 +50,6 @@ def rope_llama(seed: int, **rope: object) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return _sharpen(LlamaForCausalLM(LlamaConfig(**COMMON, num_hidden_layers=2, **rope)))
-
-
-def noisy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    """A draft that mostly agrees with the target, so trees accept several tokens per round."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return draft
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -123,7 +112,7 @@ def test_windowed_speculation_equals_plain(family, shape, window):
     target = CausalLM(target_hf)
     cfg = GenerationConfig(max_new_tokens=24)
     plain = Decoder(target).generate(PROMPT, cfg)
-    drafter = ModelDrafter(CausalLM(noisy(target_hf, 0.3, 1)), target.dims.vocab, shape)
+    drafter = ModelDrafter(CausalLM(noisy_copy(target_hf, 0.3, 1)), target.dims.vocab, shape)
     spec = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1).generate(PROMPT, cfg)
     assert spec.tokens == plain.tokens
     assert spec.stats.mean_accepted > 1.0  # drafts were accepted: committed tree paths crossed windows
@@ -160,7 +149,7 @@ def test_windowed_layer_plans_equal_plain():
     plain = Decoder(target).generate(PROMPT, cfg)
     shape = TreeShape((2, 2, 1))
     group = LayerPlan(4, groups=((1, 2),))
-    draft = CausalLM(noisy(target_hf, 0.2, 2))
+    draft = CausalLM(noisy_copy(target_hf, 0.2, 2))
     for executor in ("batched", "loop"):
         draft.group_executor = executor
         drafter = ModelDrafter(draft, target.dims.vocab, shape, plan=group)

@@ -13,20 +13,11 @@ from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan, uniform_skip_plan
 
-from tests.conftest import tiny_model
+from tests.conftest import noisy_copy, tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61]
 CFG = GenerationConfig(max_new_tokens=40)
 SHAPES = [None, TreeShape((2, 2, 1)), TreeShape((1, 1, 1, 1), dynamic=((0.5, 3), (1.0, 1)))]
-
-
-def noisy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
-    return draft
 
 
 def model_decoder(target: CausalLM, draft: CausalLM, plan, calibrate=True, shape=None, k=4) -> Decoder:
@@ -47,7 +38,7 @@ def self_decoder(target: CausalLM, plan, shape=None, k=4) -> Decoder:
 def test_easyspec_plans_are_lossless(family, lp, calibrate, shape):
     target_hf = tiny_model(family, 40, layers=8)
     target = CausalLM(target_hf)
-    draft = CausalLM(noisy(target_hf, 0.05, 1))
+    draft = CausalLM(noisy_copy(target_hf, 0.05, 1))
     plain = Decoder(target).generate(PROMPT, CFG).tokens
     out = model_decoder(target, draft, easyspec_plan(8, lp), calibrate, shape).generate(PROMPT, CFG)
     assert out.tokens == plain
@@ -90,7 +81,7 @@ def test_identity_plan_drafts_on_the_plain_path(calibrate):
     catch-up, no plan executor). That the executor itself equals the plain forward on an identity
     plan is checked in tests/runtime/test_plan_execution.py."""
     target_hf = tiny_model("llama", 44, layers=5)
-    draft = ModelDrafter(CausalLM(noisy(target_hf, 0.1, 2)), 96, TreeShape((1,) * 4), plan=LayerPlan(5),
+    draft = ModelDrafter(CausalLM(noisy_copy(target_hf, 0.1, 2)), 96, TreeShape((1,) * 4), plan=LayerPlan(5),
                          calibrate=calibrate)
     assert draft.plan is None and draft.calibrate is False
     draft.reconfigure(None, LayerPlan(5), calibrate)

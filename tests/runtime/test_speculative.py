@@ -2,7 +2,6 @@
 distribution is checked exactly in test_distribution.py)."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from runtime.drafters import ModelDrafter, TreeShape
 from runtime.sampling import SamplingParams
 from runtime.transformer import CausalLM
 
-from tests.conftest import tiny_model
+from tests.conftest import noisy_copy, tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7]
 
@@ -48,16 +47,6 @@ def test_greedy_tree_spec_equals_plain(family, shape, verify_backend):
     spec = spec_decoder(target, draft, 0, shape=shape, verify_backend=verify_backend).generate(PROMPT, cfg)
     assert spec.tokens == plain.tokens
     assert spec.stats.mean_tree_size > 1.0
-
-
-def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    """A draft that mostly agrees with the target: its weights plus noise."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
-    return draft
 
 
 def test_tree_raises_mean_accepted_over_chain(tiny_llama):
