@@ -92,9 +92,10 @@ def test_generator_is_created_on_the_target_device(tiny_llama, monkeypatch):
     requested = []
     real = torch.Generator
 
-    def spy(device="cpu"):
-        requested.append(torch.device(device))
-        return real(device=device)
+    def spy(*args, **kwargs):  # records the device asked for: None when left to the CPU default
+        device = args[0] if args else kwargs.get("device")
+        requested.append(None if device is None else torch.device(device))
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(decoding.torch, "Generator", spy)
     lm = CausalLM(tiny_llama)
