@@ -70,6 +70,9 @@ class DecodeWorker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.decoders: OrderedDict[Strategy, Decoder] = OrderedDict()
+        # one verify width for every speculative strategy: one packed copy of the target's weights
+        # (a 1.5B fp32 target costs ~6 GiB per width); a wider strategy stored later gets its own
+        self.verify_width = 0
         self.busy = False
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="autotune-decode", daemon=True)
@@ -108,10 +111,16 @@ class DecodeWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def share_width(self, strategies: list[Strategy]) -> None:
+        """Pad every speculative strategy's verify pass to the widest of ``strategies``."""
+        self.verify_width = max([self.verify_width] + [s.max_tree_nodes + 1 for s in strategies if s.speculates])
+
     def decoder(self, strategy: Strategy) -> Decoder:
         dec = self.decoders.get(strategy)
         if dec is None:
-            dec = self.decoders[strategy] = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy))
+            width = max(self.verify_width, strategy.max_tree_nodes + 1) if strategy.speculates else None
+            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width)
+            self.decoders[strategy] = dec
             while len(self.decoders) > MAX_DECODERS:
                 self.decoders.popitem(last=False)
         self.decoders.move_to_end(strategy)
