@@ -46,7 +46,7 @@ Method = Callable[[list[int], GenerationConfig], MethodRun]
 MethodFactory = Callable[[BenchContext], Method]
 
 
-def _hf(ctx: BenchContext, assistant: LoadedModel | None = None) -> Method:
+def _hf(ctx: BenchContext, assistant: LoadedModel | None = None, static: bool = False) -> Method:
     model = ctx.target.hf_model
 
     def run(prompt: list[int], cfg: GenerationConfig) -> MethodRun:
@@ -57,6 +57,9 @@ def _hf(ctx: BenchContext, assistant: LoadedModel | None = None) -> Method:
         )
         if assistant is not None:
             kwargs["assistant_model"] = assistant.hf_model
+        if static:
+            cache_len = static_cache_len(len(prompt), cfg.max_new_tokens)
+            kwargs.update(cache_implementation="static", max_cache_len=cache_len)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, **kwargs)
@@ -66,6 +69,22 @@ def _hf(ctx: BenchContext, assistant: LoadedModel | None = None) -> Method:
         return MethodRun(tokens, stats)
 
     return run
+
+
+STATIC_CACHE_BUCKET = 512  # hf-static sizes its cache in these steps: one compiled graph per bucket, not per prompt
+
+
+def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
+    """The static cache length for a prompt: its worst case rounded up to a bucket."""
+    need = prompt_len + max_new_tokens
+    return -(-need // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+
+
+def _hf_static(ctx: BenchContext) -> Method:
+    """HF ``generate(cache_implementation="static")``, greedy: what a GPU user would pick. transformers
+    compiles the decode step itself (``torch.compile``, mode ``reduce-overhead``: CUDA graphs) on
+    CUDA/XPU; on CPU it runs the static cache eagerly (it does not auto-compile there), and so do we."""
+    return _hf(ctx, static=True)
 
 
 def _hf_assisted(ctx: BenchContext) -> Method:
@@ -166,6 +185,7 @@ STRATEGY_METHODS: dict[str, Callable[[BenchContext], Strategy]] = {
 
 METHODS: dict[str, MethodFactory] = {
     "hf": _hf,
+    "hf-static": _hf_static,
     "hf-assisted": _hf_assisted,
     **{name: _ours(strategy_of) for name, strategy_of in STRATEGY_METHODS.items()},
 }

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_strategy_args(bench)
     bench.add_argument(
         "--methods", default="hf,vanilla,sd",
-        help="comma list of: hf, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec, uniform (the "
+        help="comma list of: hf, hf-static, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec, uniform (the "
         "untuned start of `study`), tuned (the stored best); options after colons, e.g. easyspec:lp2:nocal, "
         "selfspec:r0.3, tuned:task=gsm8k",
     )
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     add_strategies_parser(sub)
+    _add_profile_parser(sub)
     diag = sub.add_parser("diagnose", help="EasySpec table 5: cosine similarity of exact vs. fuzzy attention states")
     diag.add_argument("--model", required=True, help="model: alias, local directory or hub id")
     diag.add_argument("--dtype", default="float32")
@@ -122,6 +123,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--route-distance", type=float,
                        help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
     return parser
+
+
+def _add_profile_parser(sub: Any) -> None:
+    prof = sub.add_parser("profile", help="time our runtime's plain, verify-by-width and draft-by-plan steps")
+    prof.add_argument("--model", required=True, help="target: alias, local directory or hub id")
+    prof.add_argument("--draft", help="draft model (default: the target drafts for itself)")
+    prof.add_argument("--device", default="cpu")
+    prof.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, ...")
+    prof.add_argument("--random-weights", action="store_true",
+                      help="build the models from their configs with random weights (no weights needed)")
+    prof.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")
+    prof.add_argument("--lp-size", help="EasySpec layer-parallel sizes for the draft step, e.g. 4 (default: 2,3,4)")
+    prof.add_argument("--min-time", type=float, help="seconds to time each step for, at least (default: 0.5)")
+    prof.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autotune.bench import write_report
+    from autotune.profile import ProfileSettings, format_table, run_profile
+
+    given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
+    sizes = {k: tuple(_int_list(flag, text)) for k, (flag, text) in given.items() if text}
+    timing = {"min_run_time": args.min_time} if args.min_time is not None else {}
+    settings = ProfileSettings(**sizes, **timing)
+    report = run_profile(args.model, args.draft, args.device, args.dtype, args.random_weights, settings)
+    print(format_table(report))
+    if args.json_out:
+        write_report(report, args.json_out)
+    return 0
 
 
 def _strategy(args: argparse.Namespace) -> Any:
@@ -446,6 +476,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "diagnose": cmd_diagnose,
     "strategies": cmd_strategies,
     "serve": cmd_serve,
+    "profile": cmd_profile,
 }
 
 

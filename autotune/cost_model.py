@@ -42,12 +42,20 @@ class CostModel(Protocol):
     def observe_plain(self, measured_s: float) -> None: ...
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (on CUDA a forward returns once its kernels are launched)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.device("cpu")) -> float:
     fn()  # warm
     samples = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
@@ -83,7 +91,7 @@ class MeasuredCostModel:
             with torch.inference_mode():
                 lm(ids, cache, plan=plan, logits_for=slice(-1, None))
 
-        out = _timed(step, self.repeats)
+        out = _timed(step, self.repeats, torch.device(lm.device))
         self.calibration_s += time.perf_counter() - t0
         return out
 

@@ -1,19 +1,28 @@
 """Load a model + tokenizer from a registry source; packaged GGUF weights are joined, verified
-and dequantised once into a safetensors cache under ``~/.cache/autotune`` (``$AUTOTUNE_CACHE_DIR``)."""
+and dequantised once into a safetensors cache under ``~/.cache/autotune`` (``$AUTOTUNE_CACHE_DIR``).
+
+Each packaged alias also ships its small ``config.json`` in ``runtime/configs/<alias>.json``, so
+``random_model`` can build a model of its exact shape without weights (cost measurement on a
+machine that has a GPU but not the weights)."""
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.errors import RuntimeUserError
-from runtime.models import HubModel, LocalModel, ModelSource, PackagedGGUF, resolve_model
+from runtime.models import MODEL_ALIASES, HubModel, LocalModel, ModelSource, PackagedGGUF, resolve_model
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable  # Python >= 3.11 (importlib.abc before)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,9 +49,19 @@ class LoadedModel:
         return next(self.hf_model.parameters()).dtype
 
 
-def parse_dtype(name: str) -> torch.dtype:
+AUTO_DTYPE = "auto"
+# ``auto``: the dtype per device kind (bf16 where the kernels are fast; fp32 on CPU for exact checks)
+AUTO_DTYPES: dict[str, torch.dtype] = {"cuda": torch.bfloat16, "xpu": torch.bfloat16, "mps": torch.bfloat16}
+
+
+def parse_dtype(name: str, device: str | torch.device | None = None) -> torch.dtype:
+    """A dtype name -> torch dtype. ``auto`` needs the ``device``: bf16 on CUDA, fp32 on CPU."""
+    if name == AUTO_DTYPE:
+        if device is None:
+            raise RuntimeUserError("dtype 'auto' depends on the device; pass a dtype such as float32 or bfloat16")
+        return AUTO_DTYPES.get(torch.device(device).type, torch.float32)
     if name not in DTYPES:
-        raise RuntimeUserError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}")
+        raise RuntimeUserError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}, {AUTO_DTYPE}")
     return DTYPES[name]
 
 
@@ -133,7 +152,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     """Load ``name`` (alias, local dir or hub id) as an HF module tree on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
     source = resolve_model(name)
     where, model_id, revision = _local_dir_for(name, source)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
@@ -146,6 +165,57 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
         raise RuntimeUserError(f"could not load model '{name}' from {where}: {str(exc).splitlines()[0]}") from exc
     model.to(device).eval()
     return LoadedModel(name=name, model_id=model_id, revision=revision, hf_model=model, tokenizer=tok)
+
+
+def packaged_configs() -> dict[str, Traversable]:
+    """Alias -> the ``config.json`` shipped with the package for it (``runtime/configs/<alias>.json``)."""
+    root = importlib.resources.files("runtime") / "configs"
+    found = {entry.name.removesuffix(".json"): entry for entry in root.iterdir() if entry.name.endswith(".json")}
+    return {alias: found[alias] for alias in sorted(found) if alias in MODEL_ALIASES}
+
+
+def model_config(name: str) -> Any:
+    """The HF config of ``name``: an alias's packaged config, a local directory's config.json, or a
+    hub id's config (downloaded). An alias without a packaged config is an error naming those that exist."""
+    from transformers import AutoConfig
+
+    source = resolve_model(name)
+    if name in MODEL_ALIASES:
+        path = packaged_configs().get(name)
+        if path is None:
+            hub = f" or its hub id {source.repo_id}" if isinstance(source, HubModel) else ""
+            raise RuntimeUserError(
+                f"no packaged config for model alias '{name}'; packaged configs: {', '.join(packaged_configs())} "
+                f"(or pass a local model directory with a config.json{hub})"
+            )
+        values = json.loads(path.read_text())
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    where, _, revision = _local_dir_for(name, source)
+    try:
+        return AutoConfig.from_pretrained(where, **({"revision": revision} if isinstance(source, HubModel) else {}))
+    except OSError as exc:
+        raise RuntimeUserError(
+            f"could not read the config of model '{name}' from {where}: {str(exc).splitlines()[0]}"
+        ) from exc
+
+
+def random_model(
+    name: str, dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0
+) -> LoadedModel:
+    """A model of ``name``'s exact shape with seeded random weights, built from its config alone
+    (no weights, no tokenizer: ``tokenizer`` is None). Its tokens are meaningless; its costs are real."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    config = model_config(name)
+    dev = torch.device(device)
+    # seeded, leaving the caller's random state as it was
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with dev:  # initialise in place on the device (an 8B model need not fit in host RAM first)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model.eval()
+    return LoadedModel(name=name, model_id=f"{name}@random:{seed}", revision="random", hf_model=model, tokenizer=None)
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -1,0 +1,213 @@
+"""``autotune profile``: what one step of each kind costs on this device, timed through our runtime's
+forward (``runtime.transformer.CausalLM``): the cost model's own terms, measured.
+
+- ``plain``: one single-token target forward over a prefix of ``context`` cached tokens (a round of
+  plain decoding, and the unit of the cost coefficient c);
+- ``verify``: one target forward over ``W`` rows after that prefix, logits for every row (the padded
+  verify pass of ``runtime.decoding``), with the linear backend a decoder would use for width ``W``;
+- ``draft``: one single-token forward of the drafting model (the draft, or the target itself when
+  there is none) under a layer plan: none (every layer in order), and EasySpec's layer-parallel plan
+  for each LP size.
+
+c = draft step / plain target step (Leviathan et al. 3.3). Each step is timed with
+``torch.utils.benchmark.Timer.blocked_autorange`` after one warm-up call; the timer synchronises the
+accelerator before reading the clock, so CUDA timings are kernel time, not launch time. The KV prefix
+is zeros (timing only: its contents do not change the cost), as in ``autotune.cost_model``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.benchmark import Timer
+
+from autotune.errors import CliError
+from runtime.kv_cache import KVCache
+from runtime.loading import LoadedModel, load_model, parse_dtype, random_model
+from runtime.pipeline import verify_backend
+from runtime.transformer import CausalLM
+from search_spaces import LayerPlan, easyspec_plan
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_LP_SIZES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    widths: tuple[int, ...] = DEFAULT_WIDTHS  # verify rows to time
+    lp_sizes: tuple[int, ...] = DEFAULT_LP_SIZES  # EasySpec layer-parallel sizes for the draft step
+    context: int = 256  # tokens already in the KV cache before each timed step
+    min_run_time: float = 0.5  # seconds of timing per step (blocked_autorange)
+    seed: int = 0  # random weights (--random-weights)
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(w < 1 for w in self.widths):
+            raise CliError(f"--widths must be positive row counts like 1,2,4,8, got {list(self.widths)}")
+        if any(lp < 2 for lp in self.lp_sizes):
+            raise CliError(f"--lp-size values must be at least 2 (layer-parallel groups), got {list(self.lp_sizes)}")
+        if not self.min_run_time > 0:
+            raise CliError(f"--min-time must be a positive number of seconds, got {self.min_run_time}")
+        if self.context < 1:
+            raise ValueError(f"context must be at least 1 token, got {self.context}")
+
+
+@dataclass
+class StepTime:
+    """One step kind's timing: the median over blocks, in milliseconds."""
+
+    kind: str  # plain | verify | draft
+    model: str
+    rows: int
+    plan: str  # "none", or "lpN" (EasySpec layer-parallel size N)
+    ms: float
+    iqr_ms: float
+    runs: int  # timed calls
+    backend: str = "dense"  # linear backend of the projections
+    groups: list[list[int]] = field(default_factory=list)  # the plan's layer-parallel groups
+    c: float | None = None  # draft step / plain target step
+
+
+def time_step(fn: Callable[[], object], min_run_time: float, min_blocks: int = 3) -> tuple[float, float, int]:
+    """-> (median s, interquartile range s, timed calls) of ``fn`` after one warm-up call: blocks of
+    calls for at least ``min_run_time`` seconds and at least ``min_blocks`` blocks (slow steps)."""
+    fn()  # warm: lazily built state (stacked group weights, RoPE tables, allocator) stays out
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    per_call = list(m.times)  # seconds per call, one entry per block
+    while len(per_call) < min_blocks:
+        per_call.extend(timer.timeit(m.number_per_run).times)
+    q = torch.tensor(per_call, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
+    return float(q[1]), float(q[2] - q[0]), m.number_per_run * len(per_call)
+
+
+def prefix_cache(lm: CausalLM, context: int, rows: int) -> KVCache:
+    cache = lm.new_cache(context + rows + 1)
+    cache.length = context
+    return cache
+
+
+def forward_step(
+    lm: CausalLM, context: int, rows: int, plan: LayerPlan | None, all_logits: bool
+) -> Callable[[], object]:
+    """One forward of ``rows`` tokens after ``context`` cached ones; the cache is rewound each call."""
+    cache = prefix_cache(lm, context, rows)
+    ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
+    logits_for = None if all_logits else slice(-1, None)
+
+    def step() -> torch.Tensor:
+        cache.length = context
+        with torch.inference_mode():
+            return lm(ids, cache, plan=plan, logits_for=logits_for).float()
+
+    return step
+
+
+def _timed(
+    kind: str, model: str, lm: CausalLM, rows: int, plan: LayerPlan | None, label: str, s: ProfileSettings
+) -> StepTime:
+    step = forward_step(lm, s.context, rows, plan, all_logits=kind != "draft")
+    median, iqr, runs = time_step(step, s.min_run_time)
+    groups = [list(g) for g in plan.groups] if plan is not None else []
+    return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
+
+
+def verify_lm(target: LoadedModel, width: int) -> CausalLM:
+    """The target as a decoder verifying ``width`` rows runs it (``runtime.pipeline.build_decoder``):
+    float32 weights packed for the width on CPU, the model's own weights elsewhere."""
+    lm = CausalLM(target.hf_model)
+    backend = verify_backend(str(lm.device))
+    if width > 1 and backend != "dense" and lm.dtype == torch.float32:
+        lm.use_linear_backend(backend, width)
+    return lm
+
+
+def profile_target(target: LoadedModel, s: ProfileSettings) -> tuple[StepTime, list[StepTime]]:
+    """The plain step and the verify step at every width (one packed copy of the weights at a time)."""
+    plain = _timed("plain", target.name, CausalLM(target.hf_model), 1, None, "none", s)
+    verify = [_timed("verify", target.name, verify_lm(target, w), w, None, "none", s) for w in sorted(set(s.widths))]
+    return plain, verify
+
+
+def draft_plans(n_layers: int, lp_sizes: tuple[int, ...]) -> list[tuple[str, LayerPlan | None]]:
+    return [("none", None)] + [(f"lp{lp}", easyspec_plan(n_layers, lp)) for lp in sorted(set(lp_sizes))]
+
+
+def profile_draft(drafting: LoadedModel, plain_ms: float, s: ProfileSettings) -> list[StepTime]:
+    """The draft step under each plan, with c = its time / the plain target step."""
+    lm = CausalLM(drafting.hf_model)
+    out = []
+    for label, plan in draft_plans(lm.dims.n_layers, s.lp_sizes):
+        row = _timed("draft", drafting.name, lm, 1, plan, label, s)
+        row.c = row.ms / plain_ms
+        out.append(row)
+    return out
+
+
+def load_for_profile(name: str, dtype: torch.dtype, device: str, random_weights: bool, seed: int) -> LoadedModel:
+    if random_weights:
+        return random_model(name, dtype, device, seed)
+    return load_model(name, dtype, device)
+
+
+def run_profile(
+    model: str, draft: str | None, device: str, dtype: str, random_weights: bool, s: ProfileSettings
+) -> dict[str, Any]:
+    """Load (or build) the models, time every step kind, return the report."""
+    check_device(device)
+    torch_dtype = parse_dtype(dtype, device)
+    target = load_for_profile(model, torch_dtype, device, random_weights, s.seed)
+    plain, verify = profile_target(target, s)
+    drafting = load_for_profile(draft, torch_dtype, device, random_weights, s.seed) if draft else target
+    drafts = profile_draft(drafting, plain.ms, s)
+    return {
+        "config": {
+            "model": target.model_id, "draft": drafting.model_id if draft else None, "device": device,
+            "dtype": str(torch_dtype).removeprefix("torch."), "random_weights": random_weights,
+            "context": s.context, "widths": sorted(set(s.widths)), "lp_sizes": sorted(set(s.lp_sizes)),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "device_name": device_name(device),
+        },
+        "plain": asdict(plain),
+        "verify": [asdict(v) for v in verify],
+        "draft": [asdict(d) for d in drafts],
+    }
+
+
+def check_device(device: str) -> None:
+    """A device this machine cannot use is one clear error, before any model is built."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise CliError(f"unknown --device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
+def device_name(device: str) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
+def format_table(report: dict[str, Any]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = report["config"]
+    table = Table(title=f"profile: {cfg['dtype']} on {cfg['device_name']}, {cfg['context']} cached tokens"
+                  + (", random weights" if cfg["random_weights"] else ""))
+    for col in ("step", "model", "rows", "plan", "ms/step", "iqr ms", "x plain", "backend"):
+        table.add_column(col, justify="left" if col in ("step", "model", "plan", "backend") else "right")
+    plain_ms = report["plain"]["ms"]
+    for row in [report["plain"], *report["verify"], *report["draft"]]:
+        ratio = row["c"] if row["c"] is not None else row["ms"] / plain_ms
+        table.add_row(
+            row["kind"], row["model"], str(row["rows"]), row["plan"], f"{row['ms']:.2f}", f"{row['iqr_ms']:.2f}",
+            f"{ratio:.2f}" + (" (c)" if row["kind"] == "draft" else ""), row["backend"],
+        )
+    console = Console(width=120, record=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()

@@ -1,0 +1,103 @@
+"""`autotune profile` (step costs without weights), packaged configs, and bench method hf-static."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from autotune.cli import main
+from runtime.loading import model_config, packaged_configs, parse_dtype, random_model
+from runtime.models import MODEL_ALIASES, PackagedGGUF
+from tests.autotune.test_cli_errors import assert_one_line_error, run_cli
+
+
+def test_profile_random_weights_writes_every_step(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    code = main([
+        "profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,4", "--lp-size", "2",
+        "--min-time", "0.05", "--json", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    cfg = report["config"]
+    assert cfg["random_weights"] and cfg["dtype"] == "float32" and cfg["device"] == "cpu"  # auto on CPU: fp32
+    assert cfg["widths"] == [1, 4] and cfg["lp_sizes"] == [2] and cfg["context"] == 256
+    steps = [report["plain"], *report["verify"], *report["draft"]]
+    for step in steps:
+        assert step["ms"] > 0 and math.isfinite(step["ms"]) and step["runs"] >= 3, step
+    assert [v["rows"] for v in report["verify"]] == [1, 4]
+    assert [d["plan"] for d in report["draft"]] == ["none", "lp2"]
+    none, lp2 = report["draft"]
+    assert none["groups"] == [] and lp2["groups"] and all(last > first for first, last in lp2["groups"])
+    for d in report["draft"]:
+        assert d["c"] == pytest.approx(d["ms"] / report["plain"]["ms"])
+    table = capsys.readouterr().out
+    assert "profile" in table and "lp2" in table and "(c)" in table
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["profile", "--model", "llama3-8b", "--random-weights"],
+         ["no packaged config for model alias 'llama3-8b'", "smollm2-135m", "meta-llama/Meta-Llama-3-8B-Instruct"]),
+        (["profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,x"], ["--widths", "'1,x'"]),
+        (["profile", "--model", "smollm2-135m", "--random-weights", "--widths", "0,4"], ["--widths", "positive"]),
+        (["profile", "--model", "smollm2-135m", "--random-weights", "--lp-size", "1"], ["--lp-size", "at least 2"]),
+    ],
+)
+def test_profile_bad_input_is_one_line(args, needles):
+    assert_one_line_error(run_cli(*args), *needles)
+
+
+def test_every_packaged_alias_ships_its_config():
+    packaged = {name for name, src in MODEL_ALIASES.items() if isinstance(src, PackagedGGUF)}
+    assert packaged <= set(packaged_configs())
+    assert model_config("qwen2.5-coder-1.5b").num_hidden_layers == 28
+    assert model_config("qwen2.5-coder-0.5b").num_hidden_layers == 24
+
+
+def test_random_model_has_the_packaged_shape():
+    model = random_model("smollm2-135m", "float32", "cpu", seed=3)
+    cfg = model_config("smollm2-135m")
+    hf = model.hf_model
+    assert model.tokenizer is None and model.dtype == torch.float32
+    assert len(hf.model.layers) == cfg.num_hidden_layers == 30
+    assert hf.lm_head.weight.shape == (cfg.vocab_size, cfg.hidden_size) == (49152, 576)
+    again = random_model("smollm2-135m", "float32", "cpu", seed=3)  # seeded: the same weights
+    assert torch.equal(hf.model.layers[5].mlp.up_proj.weight, again.hf_model.model.layers[5].mlp.up_proj.weight)
+
+
+def test_auto_dtype_depends_on_the_device():
+    assert parse_dtype("auto", "cpu") == torch.float32
+    assert parse_dtype("auto", "cuda:0") == torch.bfloat16
+    assert parse_dtype("bf16") == torch.bfloat16
+    with pytest.raises(Exception, match="depends on the device"):
+        parse_dtype("auto")
+
+
+@pytest.mark.slow
+def test_hf_static_is_identical_to_hf(tmp_path):
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--model", "smollm2-135m", "--task", "humaneval", "--limit", "1", "--max-new-tokens", "16",
+        "--methods", "hf,hf-static", "--json", str(out),
+    ])
+    assert code == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert methods["hf-static"]["identical_to_baseline"]
+    assert methods["hf-static"]["new_tokens"] == 16
+
+
+def test_cost_model_timing_waits_for_cuda_kernels(monkeypatch):
+    """On CUDA a forward returns at launch: the cost model's clock reads sit between synchronisations."""
+    from autotune.cost_model import _timed
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    _timed(lambda: calls.append("step"), repeats=2, device=torch.device("cuda", 0))
+    assert calls == ["step"] + ["sync", "step", "sync"] * 2  # warm-up, then each timed step fenced
+    calls.clear()
+    _timed(lambda: calls.append("step"), repeats=2, device=torch.device("cpu"))
+    assert calls == ["step"] * 3
