@@ -14,6 +14,7 @@ from runtime.stats import DecodeStats
 
 PREFIX = "autotune:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+DISTANCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 
 
@@ -35,10 +36,15 @@ class ServingMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Request accepted -> first token", route,
                               buckets=TTFT_BUCKETS, registry=r)
+        self.route_distance = Histogram(f"{PREFIX}route_distance", "Cosine distance of auto-routed prompts to their "
+                                        "nearest task centroid", route, buckets=DISTANCE_BUCKETS, registry=r)
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting or being decoded", registry=r)
         self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
 
-    def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float) -> None:
+    def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float,
+                distance: float | None = None) -> None:
+        if distance is not None:
+            self.route_distance.labels(route).observe(distance)
         self.drafts.labels(route).inc(stats.draft_rounds)
         self.draft_tokens.labels(route).inc(stats.drafted)
         self.accepted.labels(route).inc(stats.accepted)

@@ -68,7 +68,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     book = StrategyBook(storage, target, cfg.draft, cfg.device, metrics, cfg.route_distance)
     book.refresh()
     worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
-        job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s))
+        job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance))
     worker.share_width(book.strategies())
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.decoder(strategy)

@@ -184,7 +184,8 @@ def test_metrics_add_up_to_the_responses(live):
         == got["per_pos"]
     text = httpx.get(f"{live.url}/metrics").text
     for needle in ("autotune:request_latency_seconds_bucket", "autotune:time_to_first_token_seconds_bucket",
-                   "autotune:queue_depth", 'autotune:route_strategy_info{'):
+                   "autotune:queue_depth", 'autotune:route_strategy_info{',
+                   'autotune:route_distance_bucket{le="0.65",route="gsm8k"}'):
         assert needle in text
 
 
