@@ -13,7 +13,14 @@ from runtime.models import MODEL_ALIASES, PackagedGGUF
 from tests.autotune.test_cli_errors import assert_one_line_error, run_cli
 
 
-def test_profile_random_weights_writes_every_step(tmp_path, capsys):
+def _no_weights(*args, **kwargs):
+    raise AssertionError("--random-weights must not touch model weights")
+
+
+def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))  # no cached weights either
+    monkeypatch.setattr("runtime.loading._package_dir", _no_weights)
+    monkeypatch.setattr("autotune.profile.load_model", _no_weights)
     out = tmp_path / "profile.json"
     code = main([
         "profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,4", "--lp-size", "2",
@@ -35,6 +42,19 @@ def test_profile_random_weights_writes_every_step(tmp_path, capsys):
         assert d["c"] == pytest.approx(d["ms"] / report["plain"]["ms"])
     table = capsys.readouterr().out
     assert "profile" in table and "lp2" in table and "(c)" in table
+    assert not (tmp_path / "cache").exists()
+
+
+def test_profile_with_a_draft_times_the_draft(monkeypatch):
+    from autotune.profile import ProfileSettings, run_profile
+
+    monkeypatch.setattr("autotune.profile.load_model", _no_weights)
+    settings = ProfileSettings(widths=(2,), lp_sizes=(3,), context=16, min_run_time=0.01)
+    report = run_profile("smollm2-135m", "smollm2-135m", "cpu", "float32", True, settings)
+    assert report["config"]["draft"] == "smollm2-135m@random:0"
+    assert [(d["kind"], d["plan"], d["model"]) for d in report["draft"]] == [
+        ("draft", "none", "smollm2-135m"), ("draft", "lp3", "smollm2-135m")]
+    assert all(d["c"] > 0 for d in report["draft"])
 
 
 @pytest.mark.parametrize(
