@@ -23,7 +23,8 @@ class _Parser(argparse.ArgumentParser):
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target: alias, local directory or hub id")
     p.add_argument("--draft", help="draft model of the same family (alias, directory or hub id)")
-    p.add_argument("--dtype", default="float32", help="target dtype (float32 default: lossless checks)")
+    p.add_argument("--dtype", default="float32",
+                   help="target dtype: float32 (default: lossless checks), bfloat16, or auto (bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default="cpu")
 
 

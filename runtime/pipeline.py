@@ -53,7 +53,7 @@ class ModelPool:
         return shared
 
     def get(self, name: str, dtype: str | torch.dtype) -> LoadedModel:
-        torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        torch_dtype = parse_dtype(dtype, self.device) if isinstance(dtype, str) else dtype
         key = (name, torch_dtype)
         if key not in self._models:
             self._models[key] = load_model(name, torch_dtype, self.device)
