@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import apply_rope, causal_mask
 from runtime.errors import RuntimeUserError
 from search_spaces.layer_plan import LayerPlan
 
@@ -150,8 +151,6 @@ def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs)
 
 def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """All members' attention in one batched computation over stacked weights."""
-    from runtime.transformer import apply_rope
-
     d = lm.dims
     n, t = len(g.members), h1.shape[0]
     dq, dkv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
@@ -187,8 +186,6 @@ def _group_mask(
 ) -> torch.Tensor | None:
     """The SDPA mask of a batched group, its rows repeated per packed query head: ``[1, 1, rep*T, S]``
     when every member shares one mask, ``[N, 1, rep*T, S]`` when sliding windows differ."""
-    from runtime.transformer import causal_mask
-
     per_member = [a.mask_for(li) for li in members]
     if all(m is per_member[0][0] for m, _ in per_member):  # one mask for the whole group
         mask, causal = per_member[0]

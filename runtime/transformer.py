@@ -12,36 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from runtime.attention import (
+    RotaryTable, Windows, apply_rope, causal_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
+    window_masks,
+)
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.linear import Linear, make_linear
 from search_spaces.layer_plan import LayerPlan
-
-
-Windows = tuple[int | None, ...]  # per layer: its sliding attention window, or None (full attention)
-
-
-def no_windows(cfg: Any) -> Windows:
-    """Llama: every layer attends to the whole prefix (``config.sliding_window`` is not read)."""
-    return (None,) * cfg.num_hidden_layers
-
-
-def mistral_windows(cfg: Any) -> Windows:
-    """Mistral: every layer uses ``config.sliding_window`` when it is set (HF ``modeling_mistral``:
-    ``create_sliding_window_causal_mask`` for all layers; ``config.layer_types`` is ignored)."""
-    return (getattr(cfg, "sliding_window", None),) * cfg.num_hidden_layers
-
-
-def layer_type_windows(cfg: Any) -> Windows:
-    """Qwen2: layers whose ``config.layer_types[i]`` is ``"sliding_attention"`` use
-    ``config.sliding_window`` (set only when ``use_sliding_window``; by default the layers from
-    ``max_window_layers`` on are the sliding ones; HF ``Qwen2Attention.sliding_window``)."""
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None)
-    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 @dataclass(frozen=True)
@@ -61,28 +41,6 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(windows=mistral_windows),
 }
 
-# RoPE variants whose frequencies HF recomputes from the sequence length during the forward
-# (``modeling_rope_utils.dynamic_rope_update``): a precomputed table cannot follow them.
-LENGTH_DEPENDENT_ROPE: dict[str, str] = {
-    "dynamic": "set its rope_type to \"default\" in config.json: HF's dynamic RoPE equals plain RoPE "
-    "up to max_position_embeddings={max_pos} tokens, as far as we decode",
-    "longrope": "it switches from short_factor to long_factor past original_max_position_embeddings; "
-    "use a checkpoint with static RoPE (default, linear, llama3 or yarn)",
-}
-
-
-def check_rope(cfg: Any, rotary: Any) -> None:
-    """Refuse RoPE types our fixed table would silently get wrong."""
-    rope_type = getattr(rotary, "rope_type", "default")
-    advice = LENGTH_DEPENDENT_ROPE.get(rope_type)
-    if advice is not None:
-        raise RuntimeUserError(
-            f"rope_scaling.rope_type='{rope_type}' (config.rope_parameters in transformers 5) is not supported: "
-            f"its RoPE frequencies change with the sequence length; "
-            + advice.format(max_pos=cfg.max_position_embeddings)
-        )
-
-
 def _get(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -98,39 +56,6 @@ class ModelDims:
     hidden: int
     vocab: int
     max_positions: int
-
-
-class RotaryTable:
-    """cos/sin tables for positions ``[0, capacity)``, grown on demand (``[P, D]`` each)."""
-
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> None:
-        self.inv_freq = inv_freq.detach().float().cpu()
-        self.scaling = scaling
-        self.dtype = dtype
-        self.cos = torch.empty(0)
-        self.sin = torch.empty(0)
-
-    def ensure(self, capacity: int, device: torch.device) -> None:
-        if self.cos.shape[0] >= capacity:
-            return
-        pos = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = (emb.cos() * self.scaling).to(device=device, dtype=self.dtype)
-        self.sin = (emb.sin() * self.scaling).to(device=device, dtype=self.dtype)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # [T, D] each
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[H, T, D]``; cos/sin ``[T, D]``."""
-    return x * cos + _rotate_half(x) * sin
 
 
 # compiled layer plans kept per model (each grouped plan holds a stacked copy of its groups' weights)
@@ -281,7 +206,7 @@ class CausalLM:
         if causal and start > 0:
             mask = causal_mask(start, t, self.device)
             causal = False
-        windowed = None if self.windows is None else self._window_masks(start, positions, top, mask, causal)
+        windowed = None if self.windows is None else window_masks(self.windows, start, positions, top, mask, causal)
         a = AttnInputs(cache, cos, sin, mask, causal, windowed)
         h = self.embed(tokens)  # [T, H]
         if (plan is None or plan.is_identity) and self.recorder is None:
@@ -299,76 +224,9 @@ class CausalLM:
 
     __call__ = forward
 
-    def _window_masks(
-        self,
-        start: int,  # cache slots before this forward
-        positions: torch.Tensor,  # [T] rope positions of this forward's tokens
-        top: int,  # positions.max()
-        mask: torch.Tensor | None,  # [T, start + T] bool, or None with ``causal``
-        causal: bool,
-    ) -> dict[int, torch.Tensor] | None:
-        """``{layer: [T, start + T] mask}`` for the sliding-window layers whose window hides a key here.
-
-        HF (``masking_utils.sliding_window_overlay``): a key at position ``k`` is visible to a query
-        at position ``q`` iff ``k > q - window`` (and causal). Slots ``< start`` hold committed tokens
-        at slot == position; this forward's keys sit at ``positions``. (Rows an earlier draft forward
-        of this round wrote after the committed prefix sit at slot >= position: they are the query's
-        tree ancestors, within the window as long as the draft tree is shallower than it.)"""
-        out: dict[int, torch.Tensor] = {}
-        by_window: dict[int, torch.Tensor] = {}
-        for li, w in enumerate(self.windows or ()):
-            if w is None or top < w:  # every key is within the window (positions are >= 0)
-                continue
-            if w not in by_window:
-                t = positions.shape[0]
-                key_pos = torch.cat((torch.arange(start, device=positions.device), positions))  # [S]
-                if mask is None:
-                    mask = causal_mask(0, t, positions.device) if causal else torch.ones(
-                        t, start + t, dtype=torch.bool, device=positions.device)
-                by_window[w] = mask & (key_pos[None, :] > positions[:, None] - w)
-            out[li] = by_window[w]
-        return out or None
-
-
 def _projections(layer: Any) -> list[tuple[str, Any]]:
     attn, mlp = layer.self_attn, layer.mlp
     return [
         ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj),
     ]
-
-
-def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[T, start + T]`` bool: query i (at slot start+i) sees slots ``<= start + i``."""
-    cols = torch.arange(start + t, device=device)
-    rows = torch.arange(start, start + t, device=device)
-    return cols[None, :] <= rows[:, None]
-
-
-def sdpa(
-    q: torch.Tensor,  # [H, T, D]
-    k: torch.Tensor,  # [Hkv, S, D]
-    v: torch.Tensor,
-    mask: torch.Tensor | None,  # [T, S] bool
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``."""
-    h, t, d = q.shape
-    hkv = k.shape[0]
-    rep = h // hkv
-    if rep == 1 or causal:
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=0)
-            v = v.repeat_interleave(rep, dim=0)
-        return F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
-            is_causal=causal, scale=scale,
-        )[0]
-    # pack the query heads sharing a K/V head: [Hkv, rep*T, D]; the mask repeats per head
-    qp = q.reshape(hkv, rep * t, d)
-    mp = None if mask is None else mask.repeat(rep, 1)  # [rep*T, S]
-    out = F.scaled_dot_product_attention(
-        qp[None], k[None], v[None], attn_mask=None if mp is None else mp[None, None], scale=scale
-    )[0]
-    return out.reshape(h, t, d)

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from runtime.attention import causal_mask
 from runtime.layer_exec import AttnInputs, run_blocks
 from runtime.transformer import MAX_COMPILED_PLANS, CausalLM
 from search_spaces import LayerPlan
@@ -21,8 +22,6 @@ def _through_executor(lm: CausalLM, plan: LayerPlan, ids: list[int], cache) -> t
     positions = torch.arange(cache.length, cache.length + t)
     lm.rope.ensure(int(positions.max()) + 1, lm.device)
     cos, sin = lm.rope.lookup(positions)
-    from runtime.transformer import causal_mask
-
     mask = causal_mask(cache.length, t) if cache.length > 0 else None
     h = lm.embed(torch.tensor(ids))
     h = run_blocks(lm, lm.compiled(plan), h, AttnInputs(cache, cos, sin, mask, mask is None and t > 1),
