@@ -1,15 +1,19 @@
 """Tiny random-weight models for checks that run without packaged weights (tests, torchrun scripts).
 
-The same construction as ``tests/conftest.py``'s ``tiny_model`` (kept here so that scripts under
-``runtime`` need not import the test tree).
+``tests/conftest.py`` re-exports it, so the tests and scripts under ``runtime`` build the same models.
 """
 from __future__ import annotations
 
 import torch
 
 
-def tiny_model(family: str, seed: int, vocab: int = 96, layers: int = 3) -> torch.nn.Module:
-    """A randomly initialised llama/qwen2 causal LM (qwen2: q/k/v biases), float32, eval mode."""
+def tiny_model(
+    family: str, seed: int, vocab: int = 96, layers: int = 3, sharpen: float = 8.0
+) -> torch.nn.Module:
+    """A randomly initialised llama/qwen2 causal LM (qwen2: q/k/v biases), float32, eval mode.
+
+    ``sharpen`` scales the output head: the default makes greedy paths clear of near-ties; the
+    distribution tests use a milder scale so that sampled distributions stay spread."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
@@ -26,5 +30,5 @@ def tiny_model(family: str, seed: int, vocab: int = 96, layers: int = 3) -> torc
         raise ValueError(f"tiny_model family must be 'llama' or 'qwen2', got {family!r}")
     # sharpen the random logits so greedy paths are not near-ties
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(sharpen)
     return model.eval()

@@ -7,32 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.testing import tiny_model  # noqa: F401  (tests import it from here)
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def tiny_model(
-    family: str, seed: int, vocab: int = 96, layers: int = 3, sharpen: float = 8.0
-) -> torch.nn.Module:
-    """A randomly initialised llama/qwen2 causal LM small enough for thousands of forwards.
-
-    ``sharpen`` scales the output head: the default makes greedy paths clear of near-ties; the
-    distribution tests use a milder scale so that sampled distributions stay spread."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    # sharpen the random logits so greedy paths are not near-ties and drafts sometimes agree
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpen)
-    return model.eval()
 
 
 def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
