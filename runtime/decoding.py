@@ -35,6 +35,18 @@ class GenerationConfig:
             )
 
 
+def check_fits(prompt_len: int, max_new_tokens: int, limit: int, budget: str = "--max-new-tokens") -> None:
+    """A prompt of ``prompt_len`` tokens plus ``max_new_tokens`` must fit the model context of
+    ``limit`` positions; ``budget`` names the setting to lower (a CLI flag, an API field)."""
+    if prompt_len == 0:
+        raise RuntimeUserError("the prompt is empty; give at least one token of input")
+    if prompt_len + max_new_tokens > limit:
+        raise RuntimeUserError(
+            f"prompt ({prompt_len} tokens) + {budget.lstrip('-')} ({max_new_tokens}) exceeds the "
+            f"model context of {limit} tokens; shorten the prompt or lower {budget}"
+        )
+
+
 RoundHook = Callable[["Decoder", list[int], KVCache, DecodeStats], None]
 # called with every new token so far after the prefill and after each round; True stops decoding
 # there (a stop string seen, a client gone): what a server streams from
@@ -60,14 +72,7 @@ class Decoder:
         self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
 
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
-        limit = self.target.dims.max_positions
-        if prompt_len == 0:
-            raise RuntimeUserError("the prompt is empty; give at least one token of input")
-        if prompt_len + config.max_new_tokens > limit:
-            raise RuntimeUserError(
-                f"prompt ({prompt_len} tokens) + max-new-tokens ({config.max_new_tokens}) exceeds the "
-                f"model context of {limit} tokens; shorten the prompt or lower --max-new-tokens"
-            )
+        check_fits(prompt_len, config.max_new_tokens, self.target.dims.max_positions)
 
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,

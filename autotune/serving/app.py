@@ -24,8 +24,9 @@ from autotune.serving.protocol import (
 )
 from autotune.serving.routing import StrategyBook
 from autotune.serving.text import TextStream
-from autotune.serving.worker import Choice, Job, Outcome
-from runtime.decoding import GenerationConfig
+from autotune.serving.worker import Job, Outcome
+from runtime.decoding import GenerationConfig, check_fits
+from runtime.errors import RuntimeUserError
 from runtime.sampling import SamplingParams
 from studies import Prompt, encode_prompt, routing_text
 
@@ -38,7 +39,7 @@ class Server:
     def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any) -> None:
         self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
         self.tokenizer = target.tokenizer
-        self.context = target.hf_model.config.max_position_embeddings
+        self.context = target.hf_model.config.max_position_embeddings  # = CausalLM.dims.max_positions
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
@@ -55,25 +56,31 @@ class Server:
         ids = encode_prompt(prompt, self.tokenizer)
         room = self.context - len(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max, max(room, 1))
-        if len(ids) + max_tokens > self.context:
-            raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model "
-                           f"context of {self.context} tokens; shorten the prompt or lower max_tokens",
-                           "max_tokens", code="context_length_exceeded")
+        try:
+            check_fits(len(ids), max_tokens, self.context, budget="max_tokens")  # the rule Decoder applies
+        except RuntimeUserError as exc:
+            param = "max_tokens" if ids else ("messages" if prompt.messages else "prompt")
+            raise ApiError(400, str(exc), param, code="context_length_exceeded" if ids else "empty_prompt") from None
         choice = self.book.choose(routing_text(prompt), req.autotune.strategy)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
-        return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit), len(ids)
+        return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit,
+                   streamed=req.stream), len(ids)
 
 
-def autotune_fields(choice: Choice, outcome: Outcome) -> dict[str, Any]:
-    s = outcome.stats
-    return {
+def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, Any]:
+    """The response's ``autotune`` object (with the completion's token ids when asked for)."""
+    s, choice = outcome.stats, job.choice
+    out = {
         "route": choice.route, "distance": choice.distance, "strategy": choice.label,
         "drafted": s.drafted, "accepted": s.accepted, "draft_rounds": s.draft_rounds,
         "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
         "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
     }
+    if token_ids:
+        out["token_ids"] = outcome.tokens
+    return out
 
 
 def usage(prompt_tokens: int, outcome: Outcome) -> dict[str, int]:
@@ -85,8 +92,8 @@ def _error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="autotune serve", version="1")
+def create_app(server: Server, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="autotune serve", version="1", lifespan=lifespan)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -122,21 +129,20 @@ def create_app(server: Server) -> FastAPI:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
+    async def completions(req: CompletionRequest) -> Any:
         prompt = Prompt(id="request", text=req.prompt)
-        return await _serve(server, req, prompt, request, "text_completion", "text_completion", default_max=16)
+        return await _serve(server, req, prompt, "text_completion", "text_completion", default_max=16)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+    async def chat(req: ChatCompletionRequest) -> Any:
         prompt = Prompt(id="request", messages=tuple((m.role, m.content) for m in req.messages))
-        return await _serve(server, req, prompt, request, "chat.completion", "chat.completion.chunk",
+        return await _serve(server, req, prompt, "chat.completion", "chat.completion.chunk",
                             default_max=DEFAULT_CHAT_MAX_TOKENS)
 
     return app
 
 
-async def _serve(server: Server, req: Any, prompt: Prompt, request: Request, kind: str, chunk_kind: str,
-                 default_max: int) -> Any:
+async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind: str, default_max: int) -> Any:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -148,25 +154,26 @@ async def _serve(server: Server, req: Any, prompt: Prompt, request: Request, kin
     server.metrics.queue_depth.set(server.worker.depth)
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     if req.stream:
-        return StreamingResponse(_sse(server, job, events, rid, chunk_kind, n_prompt), media_type="text/event-stream")
+        sse = _sse(server, job, events, rid, chunk_kind, n_prompt, req.autotune.return_token_ids)
+        return StreamingResponse(sse, media_type="text/event-stream")
     try:
-        text_parts = []
         while True:
             event, payload = await events.get()
-            if event == "delta":
-                text_parts.append(payload)
-            elif event == "error":
+            if event == "error":
                 raise payload
-            else:
+            if event == "done":
                 outcome: Outcome = payload
                 return completion_body(kind, rid, server.name, outcome.text, outcome.finish_reason,
-                                       usage(n_prompt, outcome), autotune_fields(job.choice, outcome))
+                                       usage(n_prompt, outcome),
+                                       autotune_fields(job, outcome, req.autotune.return_token_ids))
     except asyncio.CancelledError:  # the client went away: stop decoding at the next round
         job.cancelled.set()
         raise
 
 
-async def _sse(server: Server, job: Job, events: asyncio.Queue, rid: str, kind: str, n_prompt: int) -> AsyncIterator[str]:
+async def _sse(
+    server: Server, job: Job, events: asyncio.Queue, rid: str, kind: str, n_prompt: int, token_ids: bool
+) -> AsyncIterator[str]:
     model = server.name
     first = True
     try:
@@ -181,7 +188,7 @@ async def _sse(server: Server, job: Job, events: asyncio.Queue, rid: str, kind: 
             else:
                 last = chunk_body(kind, rid, model, None, payload.finish_reason, first)
                 last["usage"] = usage(n_prompt, payload)
-                last["autotune"] = autotune_fields(job.choice, payload)
+                last["autotune"] = autotune_fields(job, payload, token_ids)
                 yield _data(last)
                 break
         yield "data: [DONE]\n\n"

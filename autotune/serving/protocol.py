@@ -35,6 +35,7 @@ class AutotuneOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     strategy: str | int = "auto"
+    return_token_ids: bool = False  # the completion's token ids in the response's autotune object
 
     @field_validator("strategy")
     @classmethod
@@ -59,7 +60,7 @@ class _Common(BaseModel):
     best_of: int | None = None
     autotune: AutotuneOptions = Field(default_factory=AutotuneOptions)
 
-    @field_validator("max_tokens")
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)  # the latter: chat only
     @classmethod
     def _positive(cls, v: int | None) -> int | None:
         if v is not None and v < 1:
@@ -105,13 +106,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
     @model_validator(mode="after")
     def _budget(self) -> "ChatCompletionRequest":
         if self.max_completion_tokens is not None:
-            if self.max_completion_tokens < 1:
-                raise ValueError("max_completion_tokens must be at least 1")
             self.max_tokens = self.max_completion_tokens
         return self
 

@@ -15,12 +15,11 @@ from typing import Any
 from autotune.hardware import hardware_fingerprint
 from autotune.resolve import PROMPT_TASK
 from autotune.serving.protocol import ApiError
-from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, RouteEntry, TaskRouter
+from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteEntry, TaskRouter
 from autotune.serving.worker import Choice
 from search_spaces.errors import StrategyError
 from search_spaces.strategy import PLAIN, Strategy
 
-UNKNOWN = "unknown"
 GENERAL_TASK = PROMPT_TASK
 
 

@@ -88,9 +88,7 @@ def make_app(server: Any, refresh_s: float) -> Any:
             refresher.cancel()
             await asyncio.to_thread(server.worker.stop)
 
-    app = create_app(server)
-    app.router.lifespan_context = lifespan
-    return app
+    return create_app(server, lifespan)
 
 
 async def _refresh_loop(server: Any, every_s: float) -> None:

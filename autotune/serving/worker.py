@@ -18,6 +18,7 @@ from typing import Any
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
 from runtime.decoding import Decoder, GenerationConfig
+from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
 from search_spaces.strategy import Strategy
@@ -56,6 +57,7 @@ class Job:
     choice: Choice
     stream: TextStream
     emit: Emit  # thread-safe: hands events to the request's event loop
+    streamed: bool = False  # the client reads text deltas as they come (SSE)
     cancelled: threading.Event = field(default_factory=threading.Event)
     accepted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -148,20 +150,24 @@ class DecodeWorker:
                 self.busy = False
 
     def _decode(self, job: Job) -> None:
+        # text is decoded between rounds only when someone reads it then: a streaming client, or
+        # stop strings that may end decoding early; otherwise once, at the end
+        per_round = job.streamed or bool(job.stream.stops)
+
         def after_round(tokens: list[int]) -> bool:
             if job.first_token_at is None:
                 job.first_token_at = time.perf_counter()
-            delta = job.stream.push(tokens)
-            if delta:
-                job.emit("delta", delta)
+            if per_round:
+                self._release(job, job.stream.push(tokens))
             return job.stream.stopped or job.cancelled.is_set()
 
-        result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+        try:
+            result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+        except RuntimeUserError as exc:  # e.g. a stored strategy whose layer plan does not fit this model
+            raise ApiError(400, str(exc), "autotune.strategy", code="strategy_unusable") from None
         if job.cancelled.is_set():
             return
-        tail = job.stream.finish()
-        if tail:
-            job.emit("delta", tail)
+        self._release(job, job.stream.push(result.tokens) + job.stream.finish())
         ended = job.stream.stopped or (result.tokens and result.tokens[-1] in job.cfg.eos_token_ids)
         now = time.perf_counter()
         outcome = Outcome(
@@ -172,3 +178,8 @@ class DecodeWorker:
         if self.on_done is not None:
             self.on_done(job, outcome)
         job.emit("done", outcome)
+
+    @staticmethod
+    def _release(job: Job, text: str) -> None:
+        if text and job.streamed:
+            job.emit("delta", text)

@@ -90,27 +90,31 @@ def live(pool, smollm, store):
     storage.close()
 
 
-def plain_text(pool, smollm, prompt: Prompt, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
-    """What `autotune generate` prints for this prompt (plain greedy decoding)."""
+def plain_text(pool, smollm, prompt: Prompt, max_tokens: int = MAX_TOKENS) -> tuple[str, list[int]]:
+    """What `autotune generate` prints for this prompt (plain greedy decoding), and its token ids."""
     ids = encode_prompt(prompt, smollm.tokenizer)
     out = build_decoder(pool, smollm, PLAIN).generate(ids, GenerationConfig(max_new_tokens=max_tokens,
                                                                             eos_token_ids=eos_ids(smollm)))
-    return smollm.tokenizer.decode(out.tokens, skip_special_tokens=True), len(out.tokens)
+    return smollm.tokenizer.decode(out.tokens, skip_special_tokens=True), out.tokens
 
 
 def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS, **kw):
+    """-> (text, completion token ids, the autotune object) of one greedy chat request."""
     body = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-                extra_body={"autotune": {"strategy": strategy}}, **kw)
+                extra_body={"autotune": {"strategy": strategy, "return_token_ids": True}}, **kw)
     if not stream:
         r = client.chat.completions.create(**body)
-        return r.choices[0].message.content, r.usage.completion_tokens, r.model_extra["autotune"]
-    parts, final = [], None
-    for chunk in client.chat.completions.create(stream=True, **body):
-        if chunk.choices and chunk.choices[0].delta.content:
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.model_extra.get("autotune"):
-            final = chunk
-    return "".join(parts), final.usage.completion_tokens, final.model_extra["autotune"]
+        text, usage, info = r.choices[0].message.content, r.usage, r.model_extra["autotune"]
+    else:
+        parts, final = [], None
+        for chunk in client.chat.completions.create(stream=True, **body):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.model_extra.get("autotune"):
+                final = chunk
+        text, usage, info = "".join(parts), final.usage, final.model_extra["autotune"]
+    assert usage.completion_tokens == len(info["token_ids"])
+    return text, info["token_ids"], info
 
 
 def task_prompt(task: str, offset: int) -> Prompt:
@@ -131,8 +135,8 @@ def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, sto
         prompt = task_prompt(task, 15)  # not among the prompts the strategies were stored with
         want = plain_text(pool, smollm, prompt)
         for mode in ("auto", "plain", "default"):
-            text, n, info = chat(client, prompt.messages[0][1], mode, stream)
-            assert (text, n) == want, (task, mode)
+            text, ids, info = chat(client, prompt.messages[0][1], mode, stream)
+            assert (text, ids) == want, (task, mode)  # token for token
             if mode == "auto":
                 assert info["route"] == task and info["strategy"] != "plain"
                 assert info["distance"] < live.server.book.router.threshold
@@ -144,9 +148,11 @@ def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, sto
 def test_completions_endpoint_and_unknown_route(live, pool, smollm):
     client = live.client()
     text = "The recipe for a perfect sourdough loaf starts with"
-    r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0,
+                                  extra_body={"autotune": {"return_token_ids": True}})
     want = plain_text(pool, smollm, Prompt(id="c", text=text), 12)
-    assert (r.choices[0].text, r.usage.completion_tokens) == want
+    assert (r.choices[0].text, r.model_extra["autotune"]["token_ids"]) == want
+    assert r.usage.completion_tokens == len(want[1])
     assert r.model_extra["autotune"]["route"] == "unknown" and r.model_extra["autotune"]["strategy"] == "plain"
 
 
@@ -168,12 +174,12 @@ def test_metrics_add_up_to_the_responses(live):
     got = {"drafted": 0, "accepted": 0, "draft_rounds": 0, "tokens": 0, "per_pos": 0}
     for offset in (16, 17):
         prompt = task_prompt("gsm8k", offset)
-        _, n, info = chat(client, prompt.messages[0][1], stream=offset == 17)
+        _, ids, info = chat(client, prompt.messages[0][1], stream=offset == 17)
         assert info["route"] == "gsm8k"
         got["drafted"] += info["drafted"]
         got["accepted"] += info["accepted"]
         got["draft_rounds"] += info["draft_rounds"]
-        got["tokens"] += n
+        got["tokens"] += len(ids)
         got["per_pos"] += sum(info["accepted_per_position"])
     after = {n: _metric(live.url, n, route="gsm8k") for n in names}
     assert after[names[0]] - before[names[0]] == got["drafted"] > 0
@@ -193,6 +199,8 @@ BAD = [
     ("not json", 400, None),
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 8}, 400, "max_tokens"),
@@ -259,10 +267,10 @@ def test_load_full_queue_and_disconnects(pool, smollm, store):
         for _ in range(3):
             with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
                 next(r.iter_lines())
-        text, n, _ = chat(live.client(), "Say hi.", max_tokens=4)
-        assert 1 <= n <= 4
+        _, ids, _ = chat(live.client(), "Say hi.", max_tokens=4)
+        assert 1 <= len(ids) <= 4
         assert _metric(live.url, "autotune:requests_total") == answered + 1  # only "Say hi." ran to its end
-        assert _metric(live.url, "autotune:generation_tokens_total") == tokens + n
+        assert _metric(live.url, "autotune:generation_tokens_total") == tokens + len(ids)
         assert httpx.get(f"{live.url}/health").json() == {"status": "ok", "model": MODEL, "queue_depth": 0}
 
 
