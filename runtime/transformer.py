@@ -6,8 +6,8 @@ Batch size is 1 throughout: hidden states are ``[T, H]``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(windows=layer_type_windows),
     "mistral": Family(windows=mistral_windows),
 }
+
 
 def _get(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
@@ -223,6 +224,7 @@ class CausalLM:
         return self.head(self.norm(h))
 
     __call__ = forward
+
 
 def _projections(layer: Any) -> list[tuple[str, Any]]:
     attn, mlp = layer.self_attn, layer.mlp
