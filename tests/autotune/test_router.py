@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from autotune.records import PROMPT_CHARS
-from autotune.serving.router import (
-    DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter, measure_routing,
-)
+from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter
+from autotune.serving.router_eval import measure_routing
 from search_spaces.strategy import PLAIN, Strategy
 
 CODE = (

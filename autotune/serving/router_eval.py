@@ -1,0 +1,98 @@
+"""How well the task router separates real tasks: the measurement behind ``DEFAULT_ROUTE_DISTANCE``.
+
+``python -m autotune.serving.router_eval`` prints the table in docs/benchmarks.md (GSM8K from
+``$AUTOTUNE_DATA_DIR``).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotune.serving.router import UNKNOWN, RouteEntry, TaskRouter
+from search_spaces.strategy import Strategy
+
+MEASURED_TASKS = ("humaneval", "gsm8k", "mt-bench")
+
+
+@dataclass(frozen=True)
+class RoutingCase:
+    """Held-out prompts of ``held`` routed by a router fitted on the tasks ``fitted``."""
+
+    fitted: tuple[str, ...]
+    held: str
+    distances: tuple[float, ...]  # to the nearest centroid
+    nearest: tuple[str, ...]  # the nearest centroid's task
+
+    @property
+    def expected(self) -> str:
+        return self.held if self.held in self.fitted else UNKNOWN
+
+    def decisions(self, threshold: float) -> list[str]:
+        return [task if d < threshold else UNKNOWN for d, task in zip(self.distances, self.nearest)]
+
+    def share(self, threshold: float, route: str) -> float:
+        decisions = self.decisions(threshold)
+        return sum(d == route for d in decisions) / len(decisions)
+
+    def quantiles(self, qs: Sequence[float] = (0.0, 0.1, 0.5, 0.9, 1.0)) -> list[float]:
+        return [float(q) for q in np.quantile(self.distances, qs)]
+
+
+@dataclass(frozen=True)
+class RoutingMeasurement:
+    cases: tuple[RoutingCase, ...]
+    grid: tuple[float, ...] = tuple(round(0.01 * i, 2) for i in range(101))
+
+    def accuracy(self, threshold: float) -> float:
+        """Fraction of all held-out prompts routed as expected (own task, or unknown for the third)."""
+        right = sum(case.share(threshold, case.expected) * len(case.distances) for case in self.cases)
+        return right / sum(len(case.distances) for case in self.cases)
+
+    def best_threshold(self) -> float:
+        """The middle of the grid points with the highest accuracy."""
+        scores = [self.accuracy(t) for t in self.grid]
+        top = [t for t, s in zip(self.grid, scores) if s == max(scores)]
+        return top[len(top) // 2]
+
+    def table(self, threshold: float | None = None) -> str:
+        """A markdown table of the measurement: distance quantiles, and where the held-out prompts
+        go at ``threshold`` (default ``best_threshold()``): the expected route, unknown, another task."""
+        th = self.best_threshold() if threshold is None else threshold
+        lines = [f"| fitted on | held out | distance q0 / q10 / q50 / q90 / q100 | expected | at {th:.2f}: "
+                 "expected / unknown / other task |", "|---|---|---|---|---|"]
+        for case in self.cases:
+            q = " / ".join(f"{x:.2f}" for x in case.quantiles())
+            right, unknown = case.share(th, case.expected), case.share(th, UNKNOWN)
+            other = 1.0 - right - (0.0 if case.expected == UNKNOWN else unknown)
+            shown = f"{100 * right:.0f} / {'-' if case.expected == UNKNOWN else f'{100 * unknown:.0f}'} / {100 * other:.0f} %"
+            lines.append(f"| {' + '.join(case.fitted)} | {case.held} | {q} | {case.expected} | {shown} |")
+        total = sum(len(c.distances) for c in self.cases)
+        curve = ", ".join(f"{t:.2f}: {self.accuracy(t):.3f}" for t in (0.5, 0.6, th, 0.7, 0.8, 0.9))
+        lines.append(f"\naccuracy {self.accuracy(th):.3f} at threshold {th:.2f} over {total} decisions ({curve})")
+        return "\n".join(lines)
+
+
+def measure_routing(
+    tasks: Sequence[str] = MEASURED_TASKS, fit_prompts: int = 20, held_out: int = 60,
+) -> RoutingMeasurement:
+    """For every pair of ``tasks``: fit on the first ``fit_prompts`` routing texts of each, then
+    route the next ``held_out`` prompts of every task (the tasks outside the pair should be unknown).
+    The tasks' data as ``load_prompts`` finds it (GSM8K: ``$AUTOTUNE_DATA_DIR``)."""
+    from studies import load_prompts, routing_text
+
+    texts = {t: [routing_text(p) for p in load_prompts(t, limit=fit_prompts + held_out)] for t in tasks}
+    cases = []
+    for pair in itertools.combinations(tasks, 2):
+        router = TaskRouter().fit(RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(pair))
+        for held in tasks:
+            d = router.distances(texts[held][fit_prompts:])
+            nearest = tuple(router.entries[j].task for j in d.argmin(axis=1))
+            cases.append(RoutingCase(pair, held, tuple(float(x) for x in d.min(axis=1)), nearest))
+    return RoutingMeasurement(tuple(cases))
+
+
+if __name__ == "__main__":  # prints the table for docs/benchmarks.md
+    print(measure_routing().table())
