@@ -90,32 +90,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def attend_mask(slots: torch.Tensor, n_keys: int, rel_mask: torch.Tensor | None) -> torch.Tensor:
+    """``[T, n_keys]`` bool: which cache slots each of a forward's rows attends to, built on the
+    device from static shapes (no host read; one compiled graph per shape).
+
+    ``slots`` ``[T]``: the contiguous slots this forward writes. ``rel_mask`` ``None``: causal, a
+    row sees every slot up to its own. ``rel_mask`` ``[T, R]``: a block over the last ``R`` slots
+    up to this forward's end (a draft tree's earlier rows of this round, then these rows), with
+    every slot before the block visible (the committed prefix)."""
+    cols = torch.arange(n_keys, device=slots.device)
+    if rel_mask is None:
+        return cols[None, :] <= slots[:, None]
+    t, r = rel_mask.shape
+    rel = cols - (slots[-1] + 1 - r)  # column offset inside the block
+    inside = (rel >= 0) & (rel < r)
+    block = rel_mask.gather(1, rel.clamp(0, r - 1)[None, :].expand(t, n_keys))
+    return (rel < 0)[None, :] | (inside[None, :] & block)
+
+
 def window_masks(
     windows: Windows | None,  # per layer (None: no layer has a window)
-    start: int,  # cache slots before this forward
+    slots: torch.Tensor,  # [T] cache slots of this forward's rows
     positions: torch.Tensor,  # [T] rope positions of this forward's tokens
-    top: int,  # positions.max()
-    mask: torch.Tensor | None,  # [T, start + T] bool, or None with ``causal``
-    causal: bool,
+    mask: torch.Tensor,  # [T, S] bool: what the rows attend to without windows
 ) -> dict[int, torch.Tensor] | None:
-    """``{layer: [T, start + T] mask}`` for the sliding-window layers whose window hides a key here.
+    """``{layer: [T, S] mask}`` for the sliding-window layers, computed on the device.
 
     HF (``masking_utils.sliding_window_overlay``): a key at position ``k`` is visible to a query
-    at position ``q`` iff ``k > q - window`` (and causal). Slots ``< start`` hold committed tokens
-    at slot == position; this forward's keys sit at ``positions``. (Rows an earlier draft forward
+    at position ``q`` iff ``k > q - window`` (and causal). Committed slots hold the token at
+    position == slot; this forward's keys sit at ``positions``. (Rows an earlier draft forward
     of this round wrote after the committed prefix sit at slot >= position: they are the query's
     tree ancestors, within the window as long as the draft tree is shallower than it.)"""
+    if windows is None:
+        return None
+    key_pos = torch.arange(mask.shape[1], device=slots.device).index_copy(0, slots, positions)  # [S]
     out: dict[int, torch.Tensor] = {}
     by_window: dict[int, torch.Tensor] = {}
-    for li, w in enumerate(windows or ()):
-        if w is None or top < w:  # every key is within the window (positions are >= 0)
+    for li, w in enumerate(windows):
+        if w is None:
             continue
         if w not in by_window:
-            t = positions.shape[0]
-            key_pos = torch.cat((torch.arange(start, device=positions.device), positions))  # [S]
-            if mask is None:
-                mask = causal_mask(0, t, positions.device) if causal else torch.ones(
-                    t, start + t, dtype=torch.bool, device=positions.device)
             by_window[w] = mask & (key_pos[None, :] > positions[:, None] - w)
         out[li] = by_window[w]
     return out or None

@@ -44,26 +44,42 @@ class KVCache:
                 f"KV cache full: {self.length} + {n_new} rows exceed capacity {self.capacity}"
             )
 
+    def slots(self, n_new: int) -> torch.Tensor:
+        """The cache slots ``[length, length + n_new)`` of a forward's new rows, as a device tensor
+        (built from host-side ints: no device read)."""
+        return torch.arange(self.length, self.length + n_new, device=self.all_keys.device)
+
     def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None = None,
+        key_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ``[Hkv, T, D]`` at slots ``[length, length + T)``; return views of all valid
-        plus new rows ``[Hkv, length + T, D]``."""
-        t = k.shape[1]
-        end = self.length + t
-        self.keys[layer][:, self.length : end] = k
-        self.values[layer][:, self.length : end] = v
-        return self.keys[layer][:, :end], self.values[layer][:, :end]
+        """Store k, v ``[Hkv, T, D]`` at ``slots`` (default: ``[length, length + T)``) with
+        ``index_copy_`` (static shapes: the slots are a device tensor); return the layer's keys and
+        values over the whole capacity ``[Hkv, S, D]`` (the attention mask hides what is not
+        valid), or over the first ``key_len`` slots."""
+        if slots is None:
+            slots = self.slots(k.shape[1])
+        keys, values = self.all_keys[layer], self.all_values[layer]  # views of the base (compile-friendly)
+        keys.index_copy_(1, slots, k.to(keys.dtype))
+        values.index_copy_(1, slots, v.to(values.dtype))
+        if key_len is not None:
+            return keys[:, :key_len], values[:, :key_len]
+        return keys, values
 
     def write_layers(
-        self, layers: slice, k: torch.Tensor, v: torch.Tensor
+        self, layers: slice, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None = None,
+        key_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like :meth:`write` for a run of consecutive layers at once: k, v ``[N, Hkv, T, D]``;
-        returns views ``[N, Hkv, length + T, D]``."""
-        end = self.length + k.shape[2]
-        self.all_keys[layers, :, self.length : end] = k
-        self.all_values[layers, :, self.length : end] = v
-        return self.all_keys[layers, :, :end], self.all_values[layers, :, :end]
+        returns ``[N, Hkv, S, D]``."""
+        if slots is None:
+            slots = self.slots(k.shape[2])
+        keys, values = self.all_keys[layers], self.all_values[layers]
+        keys.index_copy_(2, slots, k.to(keys.dtype))
+        values.index_copy_(2, slots, v.to(values.dtype))
+        if key_len is not None:
+            return keys[:, :, :key_len], values[:, :, :key_len]
+        return keys, values
 
     def view(self, layer: int, n_new: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + n_new
@@ -79,16 +95,16 @@ class KVCache:
             raise ValueError(f"cannot roll back to {length}: cache holds {self.length} rows")
         self.length = length
 
-    def commit(self, start: int, path_indices: Sequence[int] | torch.Tensor) -> None:
+    def commit(self, start: int, path_indices: Sequence[int]) -> None:
         """Keep the rows at slots ``start + path_indices`` (in that order) as slots
-        ``[start, start + n)`` and drop everything after them."""
-        idx = torch.as_tensor(path_indices, dtype=torch.long)
-        n = int(idx.numel())
-        if n and (int(idx.min()) < 0 or start + int(idx.max()) >= self.length):
-            raise ValueError(f"commit path {idx.tolist()} outside cache rows [{start}, {self.length})")
-        contiguous = bool(n == 0 or torch.equal(idx, torch.arange(n)))
-        if not contiguous:
-            src = idx + start
+        ``[start, start + n)`` and drop everything after them. ``path_indices`` are host ints (the
+        decode loop has read the accepted path back already), so this reads nothing from the device."""
+        path = [int(i) for i in path_indices]
+        n = len(path)
+        if n and (min(path) < 0 or start + max(path) >= self.length):
+            raise ValueError(f"commit path {path} outside cache rows [{start}, {self.length})")
+        if path != list(range(n)):
+            src = torch.tensor(path, device=self.all_keys.device) + start
             self.all_keys[:, :, start : start + n] = self.all_keys[:, :, src]
             self.all_values[:, :, start : start + n] = self.all_values[:, :, src]
         self.length = start + n

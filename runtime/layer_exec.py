@@ -108,14 +108,17 @@ def _stack(lm: "CausalLM", members: tuple[int, ...]) -> GroupWeights:
 
 @dataclass
 class AttnInputs:
-    """What every attention sub-layer of one forward shares."""
+    """What every attention sub-layer of one forward shares (all on the device; shapes static
+    except a prefill's exact-length ``key_len``)."""
 
     cache: "KVCache"
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor | None  # [T, S] bool or None (attend to all)
+    mask: torch.Tensor | None  # [T, S] bool, or None: causal (``causal``) or attend to all
     causal: bool
     windowed: dict[int, torch.Tensor] | None = None  # layer -> its own [T, S] mask (sliding windows)
+    slots: torch.Tensor | None = None  # [T] cache slots written (None: after the cache's length)
+    key_len: int | None = None  # attend over the first key_len slots (None: the whole capacity)
 
     def mask_for(self, li: int) -> tuple[torch.Tensor | None, bool]:
         """The ``(mask, causal)`` attention sub-layer ``li`` uses."""
@@ -144,7 +147,7 @@ GroupExecutor = Callable[["CausalLM", GroupWeights, torch.Tensor, AttnInputs], d
 def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """Reference: each member's attention on the group input, one after another."""
     return {
-        li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a.cache, a.cos, a.sin, *a.mask_for(li))
+        li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a)
         for li in g.members
     }
 
@@ -165,9 +168,9 @@ def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInpu
     q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
     layers = g.layer_slice
     if layers is not None:
-        keys, values = a.cache.write_layers(layers, k, v)  # [N, Hkv, S, D]
+        keys, values = a.cache.write_layers(layers, k, v, a.slots, a.key_len)  # [N, Hkv, S, D]
     else:
-        kv = [a.cache.write(li, k[i], v[i]) for i, li in enumerate(g.members)]
+        kv = [a.cache.write(li, k[i], v[i], a.slots, a.key_len) for i, li in enumerate(g.members)]
         keys, values = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])
     rep = d.n_heads // d.n_kv_heads
     qp = q.reshape(n, d.n_kv_heads, rep * t, d.head_dim)
@@ -225,7 +228,7 @@ def run_blocks(
             if block.group is None and li not in skip_attn:
                 if rec is not None:
                     rec.attn_input(li, h)
-                h = h + lm.attention(lin, layer.input_layernorm(h), li, a.cache, a.cos, a.sin, *a.mask_for(li))
+                h = h + lm.attention(lin, layer.input_layernorm(h), li, a)
             elif li in attn_out:
                 h = h + attn_out[li]
             if li not in skip_mlp:

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    RotaryTable, Windows, apply_rope, causal_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
+    RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
     window_masks,
 )
+from runtime.compiled import compile_step, note_step, step_key
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
@@ -106,6 +107,18 @@ class CausalLM:
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
         self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
+        self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
+
+    def compile_steps(self, enabled: bool = True) -> None:
+        """Run every forward after the prefill through ``torch.compile(fullgraph=True,
+        dynamic=False)`` (CUDA graphs on CUDA; ``runtime.compiled``). Needs the dense linear
+        backend: packed and int8 GEMMs are opaque to the compiler."""
+        if enabled and self.backend != "dense":
+            raise RuntimeUserError(
+                f"compiled steps need the dense linear backend, but this model runs '{self.backend}' "
+                "projections; use float weights (e.g. --draft-precision float32) with --compile"
+            )
+        self._compiled_step = compile_step(self._step, self.device) if enabled else None
 
     def use_linear_backend(self, backend: str, width: int = 1) -> None:
         """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
@@ -155,25 +168,17 @@ class CausalLM:
         self.head = self._build_head()
 
     # ------------------------------------------------------------------ forward
-    def attention(
-        self,
-        lin: dict[str, Linear],
-        x: torch.Tensor,  # [T, H] (already normed)
-        li: int,
-        cache: KVCache,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,  # [T, S] bool, True = attend; None = attend to all
-        causal: bool,
-    ) -> torch.Tensor:
+    def attention(self, lin: dict[str, Linear], x: torch.Tensor, li: int, a: AttnInputs) -> torch.Tensor:
+        """Attention sub-layer ``li`` on ``x`` ``[T, H]`` (already normed): writes its K/V to the
+        cache at ``a.slots`` and attends under ``a``'s mask for this layer."""
         d = self.dims
         t = x.shape[0]
         q = lin["q"](x).view(t, d.n_heads, d.head_dim).transpose(0, 1)  # [H, T, D]
         k = lin["k"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, T, D]
         v = lin["v"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(li, k, v)  # [Hkv, S, D]
-        out = sdpa(q, keys, values, mask, causal, self.scale)  # [H, T, D]
+        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        keys, values = a.cache.write(li, k, v, a.slots, a.key_len)  # [Hkv, S, D]
+        out = sdpa(q, keys, values, *a.mask_for(li), self.scale)  # [H, T, D]
         o = lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
         if self.recorder is not None:
             self.recorder.attn(li, q, k, v, o)
@@ -187,43 +192,85 @@ class CausalLM:
         tokens: torch.Tensor,  # [T] long
         cache: KVCache,
         positions: torch.Tensor | None = None,  # [T] rope positions; default cache.length + arange
-        mask: torch.Tensor | None = None,  # [T, cache.length + T] bool; default causal
+        mask: torch.Tensor | None = None,  # [T, cache.length + T] bool, an explicit mask (diagnostics)
         logits_for: slice | torch.Tensor | None = None,  # which rows get logits; None = all
         plan: LayerPlan | None = None,  # run the layers under this plan (None: all, in order)
+        rel_mask: torch.Tensor | None = None,  # [T, R] bool over the last R slots (see attend_mask)
     ) -> torch.Tensor:
         """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``.
+
+        The rows attend causally by default; ``rel_mask`` (a draft tree's or a verify pass's block
+        over this round's rows, the prefix before it visible) or ``mask`` (explicit, any pattern)
+        override that. A prompt into an empty cache runs at its exact length (causal SDPA); every
+        other forward runs over the cache's whole capacity with a mask built on the device, so its
+        shapes are static (compiled steps, see ``compile_steps``) and it reads nothing back.
 
         Under a ``plan``, skipped attention sub-layers write no K/V (their cache rows for these
         slots stay stale; a later exact forward over the same slots overwrites them)."""
         t = tokens.shape[0]
         start = cache.length
         cache.check_room(t)
+        self.rope.ensure(cache.capacity + 1, self.device)
+        full = None
+        if mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
+            full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=self.device)
+            full[:, : start + t] = mask.to(self.device)
+        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None
+        cp = None if plan is None or plan.is_identity else self.compiled(plan)
+        if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
+            cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
+        step = self._step
+        if self._compiled_step is not None and not prefill and self.recorder is None:
+            note_step(step_key(self, tokens, rel_mask, cp, positions is None, full is None,
+                               _rows_key(logits_for), cache.capacity))
+            step = self._compiled_step
+        logits = step(
+            tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, t if prefill else None
+        )
+        cache.advance(t)
+        return logits
+
+    def _step(
+        self,
+        tokens: torch.Tensor,  # [T]
+        slots: torch.Tensor,  # [T] cache slots written
+        positions: torch.Tensor | None,  # [T]; None: the slots
+        rel_mask: torch.Tensor | None,
+        full: torch.Tensor | None,  # [T, S] explicit mask
+        cache: KVCache,
+        cp: CompiledPlan | None,
+        logits_for: slice | torch.Tensor | None,
+        key_len: int | None,  # a prefill: causal over exactly these slots
+    ) -> torch.Tensor:
+        """One forward with static shapes (what ``torch.compile`` captures): ``tokens`` -> logits."""
         if positions is None:
-            positions = torch.arange(start, start + t, device=self.device)
-        top = int(positions.max())
-        self.rope.ensure(top + 1, self.device)
+            positions = slots
         cos, sin = self.rope.lookup(positions)
-        causal = mask is None and t > 1
-        if causal and start > 0:
-            mask = causal_mask(start, t, self.device)
-            causal = False
-        windowed = None if self.windows is None else window_masks(self.windows, start, positions, top, mask, causal)
-        a = AttnInputs(cache, cos, sin, mask, causal, windowed)
+        if key_len is not None:  # prefill: exact length, causal (sliding windows need explicit masks)
+            mask = None if self.windows is None else attend_mask(slots, key_len, None)
+        else:
+            mask = full if full is not None else attend_mask(slots, cache.capacity, rel_mask)
+        windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)
+        a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len)
         h = self.embed(tokens)  # [T, H]
-        if (plan is None or plan.is_identity) and self.recorder is None:
+        if cp is None:
             for li, layer in enumerate(self.layers):
                 lin = self.linears[li]
-                h = h + self.attention(lin, layer.input_layernorm(h), li, cache, cos, sin, *a.mask_for(li))
+                h = h + self.attention(lin, layer.input_layernorm(h), li, a)
                 h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
-        else:  # a recorder sees every forward through run_blocks (an identity plan: the same math)
-            plan = plan if plan is not None else LayerPlan(n_layers=self.dims.n_layers)
-            h = run_blocks(self, self.compiled(plan), h, a, self.group_executor)
-        cache.advance(t)
+        else:
+            h = run_blocks(self, cp, h, a, self.group_executor)
         if logits_for is not None:
             h = h[logits_for]
         return self.head(self.norm(h))
 
     __call__ = forward
+
+
+def _rows_key(rows: slice | torch.Tensor | None) -> Any:
+    if isinstance(rows, slice):
+        return (rows.start, rows.stop, rows.step)
+    return None if rows is None else tuple(rows.shape)
 
 
 def _projections(layer: Any) -> list[tuple[str, Any]]:

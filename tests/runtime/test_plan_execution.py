@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from runtime.attention import causal_mask
+from runtime.attention import attend_mask
 from runtime.layer_exec import AttnInputs, run_blocks
 from runtime.transformer import MAX_COMPILED_PLANS, CausalLM
 from search_spaces import LayerPlan
@@ -19,13 +19,14 @@ PROMPT = [5, 17, 3, 88, 42, 7, 9, 61]
 def _through_executor(lm: CausalLM, plan: LayerPlan, ids: list[int], cache) -> torch.Tensor:
     """``lm.forward`` with the layer loop replaced by the plan executor (``run_blocks``)."""
     t = len(ids)
-    positions = torch.arange(cache.length, cache.length + t)
-    lm.rope.ensure(int(positions.max()) + 1, lm.device)
-    cos, sin = lm.rope.lookup(positions)
-    mask = causal_mask(cache.length, t) if cache.length > 0 else None
+    slots = cache.slots(t)
+    lm.rope.ensure(cache.capacity + 1, lm.device)
+    cos, sin = lm.rope.lookup(slots)
+    prefill = cache.length == 0 and t > 1
+    mask = None if prefill else attend_mask(slots, cache.capacity, None)
     h = lm.embed(torch.tensor(ids))
-    h = run_blocks(lm, lm.compiled(plan), h, AttnInputs(cache, cos, sin, mask, mask is None and t > 1),
-                   lm.group_executor)
+    a = AttnInputs(cache, cos, sin, mask, prefill, None, slots, t if prefill else None)
+    h = run_blocks(lm, lm.compiled(plan), h, a, lm.group_executor)
     cache.advance(t)
     return lm.head(lm.norm(h))
 

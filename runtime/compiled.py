@@ -1,0 +1,55 @@
+"""Compiled decode steps: ``torch.compile(fullgraph=True, dynamic=False)`` over a model's static-shape
+step (``CausalLM._step``), one graph per (layer plan, width, mask shape).
+
+Every forward after the prefill has static shapes (decode ``T = 1``, verify ``T = W``, a draft
+tree's frontier per depth, a catch-up padded to ``k + 1``), so a decode compiles a handful of graphs
+once and replays them. On CUDA the mode is ``reduce-overhead`` (CUDA graphs). ``fullgraph=True``
+makes a graph break an error instead of a silent partial compile, and the number of graphs is
+bounded: past ``MAX_COMPILED_STEPS`` distinct steps every compiled graph is dropped
+(``torch._dynamo.reset``) and recompiled on demand, so a tuner that tries hundreds of plans stays
+within memory; dynamo is told to fail rather than fall back to eager when it would exceed its own
+limit.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+MAX_COMPILED_STEPS = 24  # distinct (plan, shape) graphs kept, over every compiled model in the process
+
+_seen: OrderedDict[Hashable, None] = OrderedDict()
+
+
+def compile_mode(device: torch.device) -> str:
+    """CUDA graphs on CUDA (launch-bound decode steps), inductor's default elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled whole (no graph breaks), static shapes."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * MAX_COMPILED_STEPS)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * MAX_COMPILED_STEPS)
+    cfg.fail_on_recompile_limit_hit = True  # never run eager silently
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode(device))
+
+
+def note_step(key: Hashable) -> None:
+    """Count the graph ``key`` names; beyond the bound, drop every compiled graph (they recompile
+    when next used)."""
+    if key in _seen:
+        _seen.move_to_end(key)
+        return
+    if len(_seen) >= MAX_COMPILED_STEPS:
+        torch._dynamo.reset()
+        _seen.clear()
+    _seen[key] = None
+
+
+def step_key(model: Any, tokens: torch.Tensor, rel_mask: torch.Tensor | None, cp: Any, *flags: Any) -> Hashable:
+    """What a compiled step's graph depends on besides tensor values."""
+    rel = None if rel_mask is None else tuple(rel_mask.shape)
+    return (id(model), tokens.shape[0], rel, id(cp)) + flags
