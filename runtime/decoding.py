@@ -14,11 +14,11 @@ import torch
 from runtime.drafters import Draft, Drafter
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.sampling import SamplingParams, logits_to_probs, sample, verify_chain, verify_chain_greedy
+from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
-from runtime.tree import CompiledTree, compile_tree, verify_mask
-from runtime.tree_verify import verify_tree, verify_tree_greedy
+from runtime.tree import CompiledTree, compile_tree, tree_tables
+from runtime.tree_verify import accept_tree, accept_tree_greedy, read_tree_result
 
 
 @dataclass(frozen=True)
@@ -114,17 +114,18 @@ class Decoder:
     ) -> list[int]:
         """One draft -> verify -> commit round; returns the tokens it appends (>= 1), ending at
         the first EOS among them: tokens after an EOS inside an accepted run are dropped, and the
-        stats count only the accepted drafts that are returned."""
+        stats count only the accepted drafts that are returned.
+
+        Drafting, verification and acceptance stay on the device; the round reads back once (the
+        accepted count, path and tokens, in one ``tolist``)."""
         k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
         t0 = time.perf_counter()
         draft = self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
         t1 = time.perf_counter()
         if draft.is_chain:
-            path, nxt = self._verify_chain(out[-1], draft, cache, config.sampling, gen)
+            path, new_tokens = self._verify_chain(out[-1], draft, cache, config.sampling, gen)
         else:
-            path, nxt = self._verify_tree(out[-1], draft, cache, config.sampling, gen)
-        tokens = draft.tokens.tolist()
-        new_tokens = [tokens[i] for i in path] + [nxt]
+            path, new_tokens = self._verify_tree(out[-1], draft, cache, config.sampling, gen)
         end = _first_eos(new_tokens, eos)
         cut = end <= len(path)  # an accepted draft is an EOS: the sequence ends inside this round
         new_tokens, path = new_tokens[:end], path[:end]
@@ -134,7 +135,7 @@ class Decoder:
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.target_forwards += 1
-        if tokens:
+        if draft.tokens.numel():
             _record_round(stats, draft, len(path), cut)
         return new_tokens
 
@@ -143,47 +144,50 @@ class Decoder:
     ) -> torch.Tensor:
         """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32).
 
-        Rows are padded to the fixed verify width (cheap packed GEMMs on CPU); padding rows see
-        only the prefix and themselves and are dropped. A tree gets its depths and mask; a chain
-        the default causal positions and mask."""
+        Rows are padded to the fixed verify width (static shapes; cheap packed GEMMs on CPU);
+        padding rows see only the prefix and themselves and are dropped. A tree gets its depths
+        and its mask block (device tables built once per shape); a chain the causal default."""
+        dev = self.target.device
         n = 1 + int(draft.tokens.numel())
-        ids = torch.cat([torch.tensor([cur]), draft.tokens])
+        ids = torch.cat([torch.tensor([cur], device=dev), draft.tokens.to(dev)])
         pad = max(0, self.verify_width - n) if n > 1 else 0  # nothing drafted: a plain single-row step
         ids = torch.cat([ids, ids[-1:].expand(pad)])
-        positions = mask = None
-        dev = self.target.device
-        if tree is not None:
-            base = cache.length
-            zero = torch.zeros(1, dtype=torch.long)
-            positions = (torch.cat([zero, tree.depth, zero.expand(pad)]) + base).to(dev)
-            mask = verify_mask(tree, base, pad).to(dev)
-        return self.target(ids.to(dev), cache, positions=positions, mask=mask)[:n].float()
+        if tree is None:
+            return self.target(ids, cache)[:n].float()
+        tables = tree_tables(tree, dev, pad)
+        positions = tables.offsets + cache.length
+        return self.target(ids, cache, positions=positions, rel_mask=tables.block)[:n].float()
 
     def _verify_chain(
         self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], list[int]]:
+        """-> (accepted draft indices, appended tokens)."""
         base = cache.length
         logits = self._verify_forward(cur, draft, cache)  # [k+1, V]
         if params.greedy:
-            n_acc, nxt = verify_chain_greedy(logits.argmax(dim=-1), draft.tokens)
+            result = accept_chain_greedy(logits.argmax(dim=-1), draft.tokens)
         else:
-            n_acc, nxt = verify_chain(logits_to_probs(logits, params), draft.q, draft.tokens, gen)
-        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; `nxt` is next round's input
-        return list(range(n_acc)), nxt
+            result = accept_chain(logits_to_probs(logits, params), draft.q, draft.tokens, gen)
+        got = result.tolist()  # the round's one host read
+        n_acc = got[0]
+        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; the last token is next round's input
+        return list(range(n_acc)), got[1 : n_acc + 2]
 
     def _verify_tree(
         self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], list[int]]:
+        """-> (accepted node indices, appended tokens)."""
         assert draft.parents is not None
-        tree = compile_tree(draft.parents)
+        tree = compile_tree(tuple(draft.parents))
         base = cache.length
         logits = self._verify_forward(cur, draft, cache, tree)  # [N+1, V]
         if params.greedy:
-            path, nxt = verify_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
+            result = accept_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
         else:
-            path, nxt = verify_tree(logits_to_probs(logits, params), tree, draft.tokens, draft.q, gen)
+            result = accept_tree(logits_to_probs(logits, params), tree, draft.tokens, draft.q, gen)
+        path, new_tokens = read_tree_result(result.tolist(), tree.max_depth)  # the round's one host read
         cache.commit(base + 1, path)  # cur stays at `base`; the accepted path follows contiguously
-        return path, nxt
+        return path, new_tokens
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -200,7 +204,7 @@ def _record_round(stats: DecodeStats, draft: Draft, n_accepted: int, cut: bool) 
     """Count one verified draft. When the sequence ended at an accepted draft, the drafts deeper
     than it are not part of the output and are not counted (alpha stays the target's verdict)."""
     n = int(draft.tokens.numel())
-    depths = list(range(1, n + 1)) if draft.is_chain else compile_tree(draft.parents).depth.tolist()
+    depths = list(range(1, n + 1)) if draft.is_chain else list(compile_tree(tuple(draft.parents)).depths)
     if cut:
         depths = [d for d in depths if d <= n_accepted]
     stats.record_round(len(depths), n_accepted, max(depths))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
+from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
 from search_spaces.strategy import tree_node_bound
 
@@ -103,6 +105,7 @@ class ModelDrafter:
         self.cache = model.new_cache(1)
         self.pending: list[int] = []
         self.round = _Round()
+        self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
 
     def reconfigure(self, shape: TreeShape | None, plan: LayerPlan | None, calibrate: bool) -> None:
         """Draft differently from the next round on, keeping the cache (online tuning)."""
@@ -120,24 +123,77 @@ class ModelDrafter:
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
-        ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
-        catch_up_plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
-        logits = self.model(ids, self.cache, logits_for=slice(-1, None), plan=catch_up_plan).float()  # [1, Vd]
-        self.pending = []
+        self.catch_up_width = max(self.catch_up_width, k + 1)  # what a round appends at most
+        logits = self._catch_up()  # [1, Vd]
         self.round.base = self.cache.length
         shape = self.shape or TreeShape(widths=(1,) * k)
+        widths = shape.widths[: min(k, len(shape.widths))]
+        if shape.dynamic is None and shape.threshold <= 0:
+            return self._propose_static(widths, logits, params, generator)
+        return self._propose_adaptive(shape, len(widths), logits, params, generator)
+
+    def _catch_up(self) -> torch.Tensor:
+        """Run the committed tokens the draft has not seen -> the last one's logits ``[1, Vd]``.
+        Compiled, the rows are padded to a fixed width (the draft length + 1) and the padding
+        rolled back, so the step keeps one shape."""
+        ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
+        plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
+        n = len(self.pending)
+        self.pending = []
+        width = max(n, self.catch_up_width) if self.model.is_compiled and self.cache.length else n
+        if width == n:
+            return self.model(ids, self.cache, logits_for=slice(-1, None), plan=plan).float()
+        start = self.cache.length
+        ids = torch.cat([ids, ids[-1:].expand(width - n)])
+        logits = self.model(ids, self.cache, plan=plan)
+        self.cache.rollback(start + n)
+        return logits[n - 1 : n].float()
+
+    def _propose_static(
+        self, widths: tuple[int, ...], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    ) -> Draft:
+        """A chain or a fixed-width tree: every depth is one forward over the whole frontier, its
+        tokens picked on the device (top-k or sampled); nothing is read back. Node ``i`` of the
+        tree's breadth-first order sits at draft-cache row ``base + i``."""
+        layout = static_layout(widths, self.model.device)
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        for depth, w in enumerate(widths):
+            if params.greedy:
+                picked = torch.topk(logits, w, dim=-1).indices.reshape(-1)  # [F * w], row-major
+            else:
+                q = logits_to_probs(logits, params)  # [F, Vd]
+                picked = torch.multinomial(q, w, replacement=True, generator=gen).reshape(-1)
+                qs.append(q.repeat_interleave(w, dim=0))
+            tokens.append(picked)
+            if depth + 1 == len(widths):
+                break
+            start = self.cache.length
+            pos = None if layout.chain else torch.full_like(picked, self.round.base + depth)
+            rel = None if layout.chain else layout.frontier_masks[depth]
+            logits = self.model(picked, self.cache, positions=pos, rel_mask=rel, plan=self.plan).float()
+            for r in range(picked.shape[0]):
+                self.round.slot[start - self.round.base + r] = start - self.round.base + r
+        q = None if params.greedy else _pad_vocab(torch.cat(qs), self.target_vocab)
+        return Draft(torch.cat(tokens), q, layout.parents)
+
+    def _propose_adaptive(
+        self, shape: TreeShape, depth_max: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    ) -> Draft:
+        """Confidence-aware shapes (a threshold, SWIFT's dynamic widths): how many children a node
+        gets depends on its top-1 probability, one host read per depth."""
         tokens: list[int] = []
         parents: list[int] = []
         qs: list[torch.Tensor] = []
         frontier = [-1]  # nodes whose children are drafted from `logits` rows
-        for depth in range(min(k, len(shape.widths))):
+        for depth in range(depth_max):
             expand = self._add_children(frontier, logits, depth, shape, params, generator, tokens, parents, qs)
-            if not expand or depth + 1 == min(k, len(shape.widths)):
+            if not expand or depth + 1 == depth_max:
                 break
             logits = self._forward_frontier(expand, tokens, parents)
             frontier = expand
         q = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long), q, tuple(parents))
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q, tuple(parents))
 
     def _add_children(
         self, frontier: list[int], logits: torch.Tensor, depth: int, shape: TreeShape,
@@ -172,20 +228,20 @@ class ModelDrafter:
         depth_of = {n: _depth(n, parents) for n in nodes}
         positions = torch.tensor([rnd.base - 1 + depth_of[n] for n in nodes], device=self.model.device)
         chain = len(nodes) == 1 and len(rnd.slot) == depth_of[nodes[0]] - 1
-        mask = None
-        if not chain:
-            mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool, device=self.model.device)
-            mask[:, : rnd.base] = True
+        rel = None  # a chain: causal
+        if not chain:  # the round's rows so far, then these: each sees its ancestors and itself
+            rel = torch.zeros(len(nodes), start - rnd.base + len(nodes), dtype=torch.bool)
             for r, n in enumerate(nodes):
-                mask[r, start + r] = True
+                rel[r, start - rnd.base + r] = True
                 a = parents[n]
                 while a >= 0:
-                    mask[r, rnd.base + rnd.slot[a]] = True
+                    rel[r, rnd.slot[a]] = True
                     a = parents[a]
+            rel = rel.to(self.model.device)
         for r, n in enumerate(nodes):
             rnd.slot[n] = start - rnd.base + r
         ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
-        return self.model(ids, self.cache, positions=positions, mask=mask, plan=self.plan).float()  # [F, Vd]
+        return self.model(ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan).float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         if path is None:
@@ -232,6 +288,42 @@ class SelfDrafter(ModelDrafter):
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         self.round = _Round()
         self.pending = [new_tokens[-1]]
+
+
+@dataclass(frozen=True)
+class StaticLayout:
+    """A fixed-width draft tree in breadth-first order: its parents and, per drafted depth, the
+    mask block of that depth's frontier over the round's rows so far (``[F, R]``, device)."""
+
+    parents: tuple[int, ...]
+    frontier_masks: tuple[torch.Tensor, ...]
+    chain: bool
+
+
+@lru_cache(maxsize=64)
+def _static_layout(widths: tuple[int, ...], device: str) -> StaticLayout:
+    parents: list[int] = []
+    level = [-1]
+    starts = []
+    for w in widths:
+        starts.append(len(parents))
+        nxt = []
+        for node in level:
+            for _ in range(w):
+                nxt.append(len(parents))
+                parents.append(node)
+        level = nxt
+    tree = compile_tree(tuple(parents))
+    seen = tree.mask[1:, 1:]  # [N, N] node -> itself and its ancestors
+    masks = []
+    for d in range(len(widths) - 1):  # depth d's nodes run to draft depth d + 1
+        lo, hi = starts[d], starts[d + 1]
+        masks.append(seen[lo:hi, :hi].to(device))
+    return StaticLayout(tuple(parents), tuple(masks), all(w == 1 for w in widths))
+
+
+def static_layout(widths: tuple[int, ...], device: torch.device | str) -> StaticLayout:
+    return _static_layout(tuple(widths), str(device))
 
 
 def _depth(node: int, parents: list[int]) -> int:

@@ -18,6 +18,8 @@ from torch import Tensor
 
 __all__ = [
     "SamplingParams",
+    "accept_chain",
+    "accept_chain_greedy",
     "logits_to_probs",
     "residual",
     "sample",
@@ -135,6 +137,38 @@ def _check_chain_shapes(p: Tensor, q: Tensor | None, draft_tokens: Tensor) -> in
     return k
 
 
+def accept_chain(p: Tensor, q: Tensor | None, draft_tokens: Tensor, generator: torch.Generator) -> Tensor:
+    """Leviathan Algorithm 1 on the device, with no host read: -> ``[k + 2]`` long, ``(n, t_0 ..
+    t_k)`` where ``n`` drafts were accepted and ``t_0 .. t_n`` are the tokens the round appends
+    (``t_i`` = draft ``i`` for ``i < n``, then the residual or bonus draw; entries past ``n`` are
+    padding). The decode loop reads it back once. Inputs as in :func:`verify_chain`, unchecked
+    (validation reads the device; :func:`verify_chain` does it)."""
+    k = draft_tokens.shape[0]
+    draft_tokens = draft_tokens.to(device=p.device, dtype=torch.long)
+    rows = torch.arange(k, device=p.device)
+    if q is None:
+        q = torch.nn.functional.one_hot(draft_tokens, p.shape[1]).to(p.dtype)  # [k, V]
+    p_x = p[rows, draft_tokens]  # [k]
+    q_x = q[rows, draft_tokens]  # [k]
+    u = torch.rand(k, generator=generator, device=p.device, dtype=p_x.dtype)  # [k]
+    n = torch.cumprod((u * q_x < p_x).long(), dim=0).sum()  # accepted prefix: u < p/q, without dividing
+    q_ext = torch.cat([q, torch.zeros_like(p[:1])])  # row k: no draft -> residual(p[k], 0) = p[k], the bonus
+    nxt = torch.multinomial(residual(p[n], q_ext[n]), 1, generator=generator)  # [1]
+    kept = torch.cat([draft_tokens, nxt])
+    out = torch.where(torch.arange(k + 1, device=p.device) < n, kept, nxt)  # [k+1]
+    return torch.cat([n[None], out])
+
+
+def accept_chain_greedy(target_argmax: Tensor, draft_tokens: Tensor) -> Tensor:
+    """Greedy verification on the device -> ``[k + 2]`` long ``(n, argmax_0 .. argmax_k)``: the
+    accepted prefix is where the draft equals the target argmax, and the appended tokens are
+    ``argmax_0 .. argmax_n`` (equal to the accepted drafts, then the target's next token)."""
+    k = draft_tokens.shape[0]
+    match = draft_tokens.to(target_argmax.device) == target_argmax[:k]  # [k]
+    n = torch.cumprod(match.long(), dim=0).sum()
+    return torch.cat([n[None], target_argmax])
+
+
 def verify_chain(
     p: Tensor,
     q: Tensor | None,
@@ -150,28 +184,22 @@ def verify_chain(
     Token i is accepted with probability min(1, p[i, x] / q[i, x]); at the first rejection the next
     token is drawn from residual(p[i], q[i]); if all k are accepted a bonus token is drawn from p[k].
     Returns (number accepted, next token id). The output is distributed exactly as sampling from p.
+    Checked inputs; the decode loop runs :func:`accept_chain` itself (no host reads).
     """
     k = _check_chain_shapes(p, q, draft_tokens)
     draft_tokens = draft_tokens.to(device=p.device, dtype=torch.long)
-    if q is None:
-        q = torch.nn.functional.one_hot(draft_tokens, p.shape[1]).to(p.dtype)  # [k, V]
-    rows = torch.arange(k, device=p.device)
-    p_x = p[rows, draft_tokens]  # [k]
-    q_x = q[rows, draft_tokens]  # [k]
-    bad = torch.nonzero(q_x <= 0)
-    if bad.numel() > 0:
-        i = int(bad[0, 0])
-        raise ValueError(
-            f"q[{i}, {int(draft_tokens[i])}] = 0: draft token {int(draft_tokens[i])} at position {i}"
-            " could not have been sampled from q; pass the distribution the draft actually sampled"
-            " from, or q=None for a deterministic (greedy) draft"
-        )
-    u = torch.rand(k, generator=generator, device=p.device, dtype=p_x.dtype)  # [k]
-    rejected = torch.nonzero(u * q_x >= p_x)  # u >= p/q, without dividing
-    if rejected.numel() == 0:
-        return k, int(sample(p[k], generator))
-    n = int(rejected[0, 0])
-    return n, int(sample(residual(p[n], q[n]), generator))
+    if q is not None:
+        q_x = q[torch.arange(k, device=p.device), draft_tokens]  # [k]
+        bad = torch.nonzero(q_x <= 0)
+        if bad.numel() > 0:
+            i = int(bad[0, 0])
+            raise ValueError(
+                f"q[{i}, {int(draft_tokens[i])}] = 0: draft token {int(draft_tokens[i])} at position {i}"
+                " could not have been sampled from q; pass the distribution the draft actually sampled"
+                " from, or q=None for a deterministic (greedy) draft"
+            )
+    out = accept_chain(p, q, draft_tokens, generator).tolist()
+    return out[0], out[1 + out[0]]
 
 
 def verify_chain_greedy(target_argmax: Tensor, draft_tokens: Tensor) -> tuple[int, int]:
@@ -184,6 +212,5 @@ def verify_chain_greedy(target_argmax: Tensor, draft_tokens: Tensor) -> tuple[in
         raise ValueError(
             f"target_argmax must have shape [k+1] = [{k + 1}], got {tuple(target_argmax.shape)}"
         )
-    match = draft_tokens.to(target_argmax.device) == target_argmax[:k]  # [k]
-    accepted = int(torch.cumprod(match.to(torch.long), dim=0).sum()) if k > 0 else 0
-    return accepted, int(target_argmax[accepted])
+    out = accept_chain_greedy(target_argmax, draft_tokens).tolist()
+    return out[0], out[1 + out[0]]

@@ -109,6 +109,10 @@ class CausalLM:
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
         self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
 
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled_step is not None
+
     def compile_steps(self, enabled: bool = True) -> None:
         """Run every forward after the prefill through ``torch.compile(fullgraph=True,
         dynamic=False)`` (CUDA graphs on CUDA; ``runtime.compiled``). Needs the dense linear

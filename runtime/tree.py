@@ -19,6 +19,7 @@ class CompiledTree:
     mask: torch.Tensor  # [N+1, N+1] bool: row r sees column c iff c is r or an ancestor of r
     children: tuple[tuple[int, ...], ...]  # children[0] = root's, children[i+1] = node i's
     is_chain: bool
+    depths: tuple[int, ...] = ()  # ``depth`` as host ints (statistics read it without a device read)
 
     @property
     def size(self) -> int:
@@ -64,7 +65,47 @@ def compile_tree(parents: tuple[int, ...]) -> CompiledTree:
         mask=mask,
         children=tuple(tuple(k) for k in kids),
         is_chain=chain,
+        depths=tuple(depth),
     )
+
+
+@dataclass(frozen=True)
+class TreeTables:
+    """A tree's shape facts as device tensors, built once per (shape, device, padding): what the
+    verify pass and device-side acceptance index with (no host read per round)."""
+
+    block: torch.Tensor  # [N+1+pad, N+1+pad] bool verify mask over the round's own rows
+    offsets: torch.Tensor  # [N+1+pad] long position offsets of the rows (root and padding at 0)
+    ancestors: torch.Tensor  # [N, N] bool: column j is node i or one of its ancestors
+    depth: torch.Tensor  # [N] long
+    parent_row: torch.Tensor  # [N] long: the verify row node i's token is checked against
+    children: torch.Tensor  # [N+1, Wmax] long: row r's children, -1 padded
+    max_depth: int
+
+
+@lru_cache(maxsize=256)
+def _tables(parents: tuple[int, ...], device: str, pad: int) -> TreeTables:
+    tree = compile_tree(parents)
+    n = tree.size
+    wmax = max((len(c) for c in tree.children), default=0)
+    kids = torch.full((n + 1, max(wmax, 1)), -1, dtype=torch.long)
+    for r, c in enumerate(tree.children):
+        kids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+    zero = torch.zeros(1, dtype=torch.long)
+    dev = torch.device(device)
+    return TreeTables(
+        block=verify_mask(tree, 0, pad).to(dev),
+        offsets=torch.cat([zero, tree.depth, zero.expand(pad)]).to(dev),
+        ancestors=tree.mask[1:, 1:].to(dev),
+        depth=tree.depth.to(dev),
+        parent_row=(torch.tensor(parents, dtype=torch.long) + 1).to(dev),
+        children=kids[:, :wmax].to(dev),
+        max_depth=tree.max_depth,
+    )
+
+
+def tree_tables(tree: CompiledTree, device: torch.device | str, pad: int = 0) -> TreeTables:
+    return _tables(tree.parents, str(device), pad)
 
 
 def verify_mask(tree: CompiledTree, prefix: int, pad: int = 0) -> torch.Tensor:

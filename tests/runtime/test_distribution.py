@@ -139,7 +139,7 @@ def _packed_verify(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case
 
 def _chain_through_tree_verifier(m: dict[str, torch.nn.Module], monkeypatch: pytest.MonkeyPatch) -> Case:
     """The decoder sends chains to the chain verifier; here every draft is declared a tree, so
-    ``Decoder._verify_tree`` (tree mask, depth positions, ``verify_tree``, cache path commit)
+    ``Decoder._verify_tree`` (tree mask, depth positions, ``accept_tree``, cache path commit)
     verifies width-1 chains. Call counters prove which verifier ran."""
     calls = {"tree": 0, "chain": 0}
 
@@ -151,8 +151,8 @@ def _chain_through_tree_verifier(m: dict[str, torch.nn.Module], monkeypatch: pyt
         return wrapper
 
     monkeypatch.setattr(Draft, "is_chain", property(lambda self: False))
-    monkeypatch.setattr(runtime.decoding, "verify_tree", counted("tree", runtime.decoding.verify_tree))
-    monkeypatch.setattr(runtime.decoding, "verify_chain", counted("chain", runtime.decoding.verify_chain))
+    monkeypatch.setattr(runtime.decoding, "accept_tree", counted("tree", runtime.decoding.accept_tree))
+    monkeypatch.setattr(runtime.decoding, "accept_chain", counted("chain", runtime.decoding.accept_chain))
     def only_the_tree_verifier_ran(exact: Exact, got: Sample) -> None:
         assert calls["tree"] >= got.stats.draft_rounds > 0 and calls["chain"] == 0, calls
 
@@ -196,29 +196,29 @@ def test_speculative_sampling_reproduces_target_distribution(mode, models, monke
 
 
 # ---------------------------------------------------------------- power: wrong rules must fail
-def _accept_every_draft(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
-    """``verify_chain`` that keeps every draft token whatever p and q say, then the bonus."""
+def _accept_every_draft(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``accept_chain`` that keeps every draft token whatever p and q say, then the bonus."""
     k = int(tokens.shape[0])
-    return k, int(sample(p[k], gen))
+    return torch.tensor([k, *tokens.tolist(), int(sample(p[k], gen))])
 
 
-_verify_tree = runtime.tree_verify.verify_tree
+_accept_tree = runtime.tree_verify.accept_tree
 
 
 def _rows_off_by_one(
     p: torch.Tensor, tree: CompiledTree, tokens: torch.Tensor, q: torch.Tensor | None, gen: torch.Generator
-) -> tuple[list[int], int]:
-    """``verify_tree`` fed misaligned target rows: node ``i``'s children are checked against the
+) -> torch.Tensor:
+    """``accept_tree`` fed misaligned target rows: node ``i``'s children are checked against the
     row of node ``i - 1`` (the root's stay right), as an indexing slip would do."""
-    return _verify_tree(torch.cat([p[:1], p[:-1]]), tree, tokens, q, gen)
+    return _accept_tree(torch.cat([p[:1], p[:-1]]), tree, tokens, q, gen)
 
 
 # name -> (shape drafted, module whose global the decoder looks up, that name, the wrong rule)
 MUTANTS: dict[str, tuple[TreeShape, ModuleType, str, Callable[..., Any]]] = {
-    "accept-every-draft": (CHAIN, runtime.decoding, "verify_chain", _accept_every_draft),
+    "accept-every-draft": (CHAIN, runtime.decoding, "accept_chain", _accept_every_draft),
     "resample-from-p-not-residual": (CHAIN, runtime.sampling, "residual", lambda p, q: p),
     "tree-keeps-rejected-child-q": (TREE, runtime.tree_verify, "residual", lambda p, q: p),
-    "tree-target-rows-off-by-one": (TREE, runtime.decoding, "verify_tree", _rows_off_by_one),
+    "tree-target-rows-off-by-one": (TREE, runtime.decoding, "accept_tree", _rows_off_by_one),
 }
 
 
