@@ -27,7 +27,7 @@ class CompiledTree:
 
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max()) if self.size else 0
+        return max(self.depths, default=0)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""
