@@ -135,7 +135,7 @@ def _easyspec_strategy(ctx: BenchContext) -> Strategy:
     if ctx.draft_name is None:
         raise CliError("method 'easyspec' needs a draft model; pass --draft MODEL")
     lp = int(ctx.options.get("lp", ctx.lp_size))
-    n_layers = ctx.pool.get(ctx.draft_name, draft_load_dtype(ctx.strategy, ctx.pool.device)).hf_model.config.num_hidden_layers
+    n_layers = ctx.pool.get(ctx.draft_name, draft_load_dtype(ctx.strategy, ctx.pool.device, ctx.pool.compile)).hf_model.config.num_hidden_layers
     calibrate = ctx.options.get("cal", "on" if ctx.strategy.calibrate else "off") == "on"
     return replace(ctx.strategy, layer_plan=easyspec_plan(n_layers, lp), calibrate=calibrate)
 

@@ -26,6 +26,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32",
                    help="target dtype: float32 (default: lossless checks), bfloat16, or auto (bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="compile our decode steps (torch.compile fullgraph; CUDA graphs on CUDA); first steps pay the compile")
 
 
 def _add_prompt_args(p: argparse.ArgumentParser, need_task: bool) -> None:
@@ -285,14 +287,14 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     strategy = _strategy(args)
     if args.draft:  # a draft precision the device cannot run fails before any load
-        draft_load_dtype(strategy, args.device)
-    pool = ModelPool(device=args.device)
+        draft_load_dtype(strategy, args.device, args.compile)
+    pool = ModelPool(device=args.device, compile=args.compile)
     target = pool.get(args.model, args.dtype)
     strategy = _chosen_strategy(args, target, strategy)
     if args.draft:
         from runtime.loading import check_vocab_compatible
 
-        check_vocab_compatible(target, pool.get(args.draft, draft_load_dtype(strategy, args.device)))
+        check_vocab_compatible(target, pool.get(args.draft, draft_load_dtype(strategy, args.device, args.compile)))
     return pool, target, strategy
 
 
@@ -350,6 +352,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report["config"] = {
         "model": target.model_id, "draft": args.draft, "task": args.task, "limit": len(prompts),
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "strategy": strategy.to_dict(),
+        "compile": args.compile,
         "threads": __import__("torch").get_num_threads(),
     }
     print(format_table(report))
@@ -465,8 +468,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from autotune.serving.server import ServeConfig, serve
 
     return serve(ServeConfig(
-        model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, storage=args.storage,
-        host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
+        model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,
+        storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
     ))
 
 

@@ -20,6 +20,8 @@ import torch
 
 MAX_COMPILED_STEPS = 24  # distinct (plan, shape) graphs kept, over every compiled model in the process
 
+CAPACITY_BUCKET = 256  # compiled decodes size their caches in these steps: one graph per bucket, not per prompt
+
 _seen: OrderedDict[Hashable, None] = OrderedDict()
 
 
@@ -35,6 +37,19 @@ def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Calla
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * MAX_COMPILED_STEPS)
     cfg.fail_on_recompile_limit_hit = True  # never run eager silently
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode(device))
+
+
+def bucketed(capacity: int) -> int:
+    return -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def run_step(step: Callable[..., torch.Tensor], device: torch.device, *args: Any) -> torch.Tensor:
+    """Call a compiled step. Under CUDA graphs each call is a new step whose output buffer the next
+    replay overwrites, so the logits are copied out."""
+    if device.type != "cuda":
+        return step(*args)
+    torch.compiler.cudagraph_mark_step_begin()
+    return step(*args).clone()
 
 
 def note_step(key: Hashable) -> None:

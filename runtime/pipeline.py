@@ -19,9 +19,14 @@ from search_spaces.strategy import Strategy
 
 @dataclass
 class ModelPool:
-    """Loads each (model, dtype) once and keeps it; strategies swap without reloading."""
+    """Loads each (model, dtype) once and keeps it; strategies swap without reloading.
+
+    ``compile``: a runtime option independent of any strategy: every decoder built from this pool
+    runs its steps compiled (``torch.compile(fullgraph=True)``, CUDA graphs on CUDA; see
+    ``runtime.compiled``), with dense weights (no packed or int8 GEMMs)."""
 
     device: str = "cpu"
+    compile: bool = False
     _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
     # target wrappers whose weights were repacked, by (model, backend, width): one copy each
     _prepared: dict[tuple[int, str, int | None], CausalLM] = field(default_factory=dict)
@@ -72,12 +77,14 @@ def _model_drafter(
 ) -> Drafter:
     if draft_name is None:
         raise RuntimeUserError("strategy drafter 'draft-model' needs a draft model; pass --draft MODEL")
-    precision = resolve_precision(s.draft_precision, pool.device)
+    precision = resolve_precision(s.draft_precision, pool.device, pool.compile)
     draft = pool.get(draft_name, PRECISION_LOAD_DTYPE[precision])
     check_vocab_compatible(target, draft)
     draft_lm = pool.draft_wrapper(draft, PRECISION_BACKEND[precision], s.draft_vocab, lm.dims.vocab)
     if s.layer_plan is not None:
         check_plan_fits(s.layer_plan, draft_lm.dims.n_layers, f"draft model {draft_name}")
+    if pool.compile:
+        draft_lm.compile_steps()
     return ModelDrafter(
         draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s), plan=s.layer_plan, calibrate=s.calibrate
     )
@@ -113,14 +120,21 @@ PRECISION_DEVICES: dict[str, tuple[str, ...] | None] = {
 }
 
 
-def resolve_precision(precision: str, device: str) -> str:
-    """``auto`` -> the measured best draft precision for the device kind; a precision the device
-    cannot run is one clear error here, before any model loads."""
+def resolve_precision(precision: str, device: str, compiled: bool = False) -> str:
+    """``auto`` -> the measured best draft precision for the device kind (compiled: the device's
+    float type, since int8 GEMMs are opaque to the compiler); a precision the device cannot run
+    is one clear error here, before any model loads."""
     kind = torch.device(device).type
     if precision == "auto":
         if kind not in AUTO_PRECISION:
             raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
-        return AUTO_PRECISION[kind]
+        auto = AUTO_PRECISION[kind]
+        return "float32" if compiled and PRECISION_BACKEND[auto] != "dense" else auto
+    if compiled and PRECISION_BACKEND.get(precision, "dense") != "dense":
+        raise RuntimeUserError(
+            f"--draft-precision {precision} cannot be compiled (its GEMMs are opaque to torch.compile); "
+            "use --draft-precision auto, float32 or bfloat16 with --compile"
+        )
     devices = PRECISION_DEVICES.get(precision)
     if devices is not None and kind not in devices:
         raise RuntimeUserError(
@@ -130,8 +144,8 @@ def resolve_precision(precision: str, device: str) -> str:
     return precision
 
 
-def draft_load_dtype(strategy: Strategy, device: str) -> torch.dtype:
-    return PRECISION_LOAD_DTYPE[resolve_precision(strategy.draft_precision, device)]
+def draft_load_dtype(strategy: Strategy, device: str, compiled: bool = False) -> torch.dtype:
+    return PRECISION_LOAD_DTYPE[resolve_precision(strategy.draft_precision, device, compiled)]
 
 
 def verify_backend(device: str) -> str:
@@ -162,14 +176,20 @@ def build_decoder(
     lm = CausalLM(target.hf_model)
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
     if drafter is None:  # plain decoding: single-token steps on the unpacked weights
-        return Decoder(lm)
+        return Decoder(_compiled(lm, pool))
     width = verify_width or strategy.max_tree_nodes + 1
     if width < strategy.max_tree_nodes + 1:
         raise RuntimeUserError(f"verify width {width} is too small for a strategy with {strategy.max_tree_nodes} draft nodes")
     backend = verify_backend(pool.device)
-    if backend != "dense" and lm.dtype == torch.float32:
+    if backend != "dense" and lm.dtype == torch.float32 and not pool.compile:
         lm = pool.target_for_width(target, backend, width)
-    return Decoder(lm, drafter, strategy.draft_length, verify_width=width)
+    return Decoder(_compiled(lm, pool), drafter, strategy.draft_length, verify_width=width)
+
+
+def _compiled(lm: CausalLM, pool: ModelPool) -> CausalLM:
+    if pool.compile:
+        lm.compile_steps()
+    return lm
 
 
 def eos_ids(model: LoadedModel) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from runtime.attention import (
     RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
     window_masks,
 )
-from runtime.compiled import compile_step, note_step, step_key
+from runtime.compiled import compile_step, note_step, run_step, step_key
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
@@ -223,14 +223,13 @@ class CausalLM:
         cp = None if plan is None or plan.is_identity else self.compiled(plan)
         if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
-        step = self._step
+        args = (tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, t if prefill else None)
         if self._compiled_step is not None and not prefill and self.recorder is None:
             note_step(step_key(self, tokens, rel_mask, cp, positions is None, full is None,
                                _rows_key(logits_for), cache.capacity))
-            step = self._compiled_step
-        logits = step(
-            tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, t if prefill else None
-        )
+            logits = run_step(self._compiled_step, self.device, *args)
+        else:
+            logits = self._step(*args)
         cache.advance(t)
         return logits
 

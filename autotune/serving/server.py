@@ -25,6 +25,7 @@ class ServeConfig:
     draft: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    compile: bool = False  # compiled decode steps (runtime.compiled)
     storage: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -60,7 +61,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     from runtime.loading import check_vocab_compatible
     from runtime.pipeline import ModelPool
 
-    pool = pool if pool is not None else ModelPool(device=cfg.device)
+    pool = pool if pool is not None else ModelPool(device=cfg.device, compile=cfg.compile)
     target = pool.get(cfg.model, cfg.dtype)
     if cfg.draft:
         check_vocab_compatible(target, pool.get(cfg.draft, "float32"))
