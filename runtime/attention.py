@@ -58,23 +58,31 @@ def check_rope(cfg: Any, rotary: Any) -> None:
 
 
 class RotaryTable:
-    """cos/sin tables for positions ``[0, capacity)``, grown on demand (``[P, D]`` each)."""
+    """cos/sin tables for positions ``[0, capacity)`` (``[P, D]`` each), built at load for the
+    first ``PRECOMPUTED_POSITIONS`` and regrown (doubling) only when a cache needs more."""
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> None:
+    PRECOMPUTED_POSITIONS = 4096
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 positions: int = 0) -> None:
         self.inv_freq = inv_freq.detach().float().cpu()
         self.scaling = scaling
         self.dtype = dtype
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
+        if positions:
+            self.ensure(positions, torch.device(device))
 
     def ensure(self, capacity: int, device: torch.device) -> None:
         if self.cos.shape[0] >= capacity:
             return
-        pos = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = (emb.cos() * self.scaling).to(device=device, dtype=self.dtype)
-        self.sin = (emb.sin() * self.scaling).to(device=device, dtype=self.dtype)
+        # normal tensors even when first needed under inference mode: a compiled step guards on it
+        with torch.inference_mode(False), torch.no_grad():
+            pos = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32)
+            freqs = torch.outer(pos, self.inv_freq)  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            self.cos = (emb.cos() * self.scaling).to(device=device, dtype=self.dtype)
+            self.sin = (emb.sin() * self.scaling).to(device=device, dtype=self.dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]  # [T, D] each

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.compiled import bucketed
 from runtime.drafters import Draft, Drafter
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
@@ -87,8 +86,6 @@ class Decoder:
         stats = DecodeStats()
         gen = decode_generator(self.target.device, config.seed)
         capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
-        if self.target.is_compiled:  # one cache shape (hence graph set) for many prompts
-            capacity = bucketed(capacity)
         cache = self.target.new_cache(capacity)
         eos = set(config.eos_token_ids)
         start = time.perf_counter()

@@ -123,7 +123,8 @@ class ModelDrafter:
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
-        self.catch_up_width = max(self.catch_up_width, k + 1)  # what a round appends at most
+        # what a round appends at most: the deepest draft the shape allows, + 1
+        self.catch_up_width = max(self.catch_up_width, (len(self.shape.widths) if self.shape else k) + 1)
         logits = self._catch_up()  # [1, Vd]
         self.round.base = self.cache.length
         shape = self.shape or TreeShape(widths=(1,) * k)
@@ -241,6 +242,7 @@ class ModelDrafter:
         for r, n in enumerate(nodes):
             rnd.slot[n] = start - rnd.base + r
         ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
+        positions = None if chain else positions  # a chain's rows sit at slot == position: the causal default
         return self.model(ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan).float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:

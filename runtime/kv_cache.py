@@ -27,8 +27,9 @@ class KVCache:
             raise ValueError(f"KVCache capacity must be positive, got {capacity}")
         shape = (n_layers, n_kv_heads, capacity, head_dim)  # [L, Hkv, S, D]
         # one tensor per kind, so consecutive layers are one view (layer-parallel groups)
-        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # normal tensors wherever allocated (compiled steps guard on it)
+            self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.all_values = torch.zeros(shape, dtype=dtype, device=device)
         self.keys = list(self.all_keys.unbind(0))  # per-layer views [Hkv, S, D]
         self.values = list(self.all_values.unbind(0))
         self.capacity = capacity

@@ -17,7 +17,7 @@ from runtime.attention import (
     RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
     window_masks,
 )
-from runtime.compiled import compile_step, note_step, run_step, step_key
+from runtime.compiled import bucketed, compile_step, note_step, run_step, step_key
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
@@ -95,7 +95,10 @@ class CausalLM:
         )
         self.dtype = self.lm_head.weight.dtype
         self.device = self.lm_head.weight.device
-        self.rope = RotaryTable(rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.dtype)
+        self.rope = RotaryTable(
+            rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.dtype, self.device,
+            min(self.dims.max_positions, RotaryTable.PRECOMPUTED_POSITIONS),
+        )
         self.scale = head_dim**-0.5
         windows = family.windows(cfg)
         self.windows: Windows | None = windows if any(w is not None for w in windows) else None
@@ -160,6 +163,8 @@ class CausalLM:
         return make_linear(self.backend, w, b, self.width)
 
     def new_cache(self, capacity: int) -> KVCache:
+        if self.is_compiled:  # one cache shape (hence one graph set) for many prompts
+            capacity = bucketed(capacity)
         self.rope.ensure(capacity + 1, self.device)
         d = self.dims
         return KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)
