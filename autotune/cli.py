@@ -139,6 +139,7 @@ def _add_profile_parser(sub: Any) -> None:
     prof.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")
     prof.add_argument("--lp-size", help="EasySpec layer-parallel sizes for the draft step, e.g. 4 (default: 2,3,4)")
     prof.add_argument("--min-time", type=float, help="seconds to time each step for, at least (default: 0.5)")
+    prof.add_argument("--compile", action="store_true", help="time compiled steps (torch.compile; CUDA graphs on CUDA)")
     prof.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
 
 
@@ -149,7 +150,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
     sizes = {k: tuple(_int_list(flag, text)) for k, (flag, text) in given.items() if text}
     timing = {"min_run_time": args.min_time} if args.min_time is not None else {}
-    settings = ProfileSettings(**sizes, **timing)
+    settings = ProfileSettings(**sizes, **timing, compile=args.compile)
     report = run_profile(args.model, args.draft, args.device, args.dtype, args.random_weights, settings)
     print(format_table(report))
     if args.json_out:

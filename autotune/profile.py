@@ -41,6 +41,7 @@ class ProfileSettings:
     context: int = 256  # tokens already in the KV cache before each timed step
     min_run_time: float = 0.5  # seconds of timing per step (blocked_autorange)
     seed: int = 0  # random weights (--random-weights)
+    compile: bool = False  # time compiled steps (runtime.compiled; the first call compiles, untimed)
 
     def __post_init__(self) -> None:
         if not self.widths or any(w < 1 for w in self.widths):
@@ -107,18 +108,20 @@ def forward_step(
 def _timed(
     kind: str, model: str, lm: CausalLM, rows: int, plan: LayerPlan | None, label: str, s: ProfileSettings
 ) -> StepTime:
+    if s.compile and not lm.is_compiled:
+        lm.compile_steps()
     step = forward_step(lm, s.context, rows, plan, all_logits=kind != "draft")
     median, iqr, runs = time_step(step, s.min_run_time)
     groups = [list(g) for g in plan.groups] if plan is not None else []
     return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
 
 
-def verify_lm(target: LoadedModel, width: int) -> CausalLM:
+def verify_lm(target: LoadedModel, width: int, compiled: bool = False) -> CausalLM:
     """The target as a decoder verifying ``width`` rows runs it (``runtime.pipeline.build_decoder``):
-    float32 weights packed for the width on CPU, the model's own weights elsewhere."""
+    float32 weights packed for the width on CPU (unless compiled), the model's own weights elsewhere."""
     lm = CausalLM(target.hf_model)
     backend = verify_backend(str(lm.device))
-    if width > 1 and backend != "dense" and lm.dtype == torch.float32:
+    if width > 1 and backend != "dense" and lm.dtype == torch.float32 and not compiled:
         lm.use_linear_backend(backend, width)
     return lm
 
@@ -126,7 +129,7 @@ def verify_lm(target: LoadedModel, width: int) -> CausalLM:
 def profile_target(target: LoadedModel, s: ProfileSettings) -> tuple[StepTime, list[StepTime]]:
     """The plain step and the verify step at every width (one packed copy of the weights at a time)."""
     plain = _timed("plain", target.name, CausalLM(target.hf_model), 1, None, "none", s)
-    verify = [_timed("verify", target.name, verify_lm(target, w), w, None, "none", s) for w in sorted(set(s.widths))]
+    verify = [_timed("verify", target.name, verify_lm(target, w, s.compile), w, None, "none", s) for w in sorted(set(s.widths))]
     return plain, verify
 
 
@@ -167,6 +170,7 @@ def run_profile(
             "dtype": str(torch_dtype).removeprefix("torch."), "random_weights": random_weights,
             "context": s.context, "widths": sorted(set(s.widths)), "lp_sizes": sorted(set(s.lp_sizes)),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "device_name": device_name(device),
+            "compile": s.compile,
         },
         "plain": asdict(plain),
         "verify": [asdict(v) for v in verify],
@@ -197,7 +201,8 @@ def format_table(report: dict[str, Any]) -> str:
 
     cfg = report["config"]
     table = Table(title=f"profile: {cfg['dtype']} on {cfg['device_name']}, {cfg['context']} cached tokens"
-                  + (", random weights" if cfg["random_weights"] else ""))
+                  + (", random weights" if cfg["random_weights"] else "")
+                  + (", compiled steps" if cfg.get("compile") else ""))
     for col in ("step", "model", "rows", "plan", "ms/step", "iqr ms", "x plain", "backend"):
         table.add_column(col, justify="left" if col in ("step", "model", "plan", "backend") else "right")
     plain_ms = report["plain"]["ms"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from autotune.storage import open_storage
 from search_spaces.strategy import Strategy
@@ -150,18 +151,23 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
     says so in one line, stores plain decoding for the key, and no row holds the lossy strategy."""
     import runtime.decoding as decoding
 
-    real_chain, real_tree = decoding.verify_chain_greedy, decoding.verify_tree_greedy
+    real_chain, real_tree = decoding.accept_chain_greedy, decoding.accept_tree_greedy
 
-    def lossy_chain(target_argmax, drafts):
-        n, nxt = real_chain(target_argmax, drafts)
-        return (n, (nxt + 1) % target_argmax.max().item()) if len(drafts) else (n, nxt)
+    def off_by_one(result: torch.Tensor, at: int, vocab: int) -> torch.Tensor:
+        result = result.clone()
+        result[at] = (result[at] + 1) % vocab
+        return result
 
-    def lossy_tree(target_argmax, tree, tokens):
-        path, nxt = real_tree(target_argmax, tree, tokens)
-        return path, (nxt + 1) % target_argmax.max().item()
+    def lossy_chain(target_argmax, drafts):  # -> (n, appended tokens): the target's token at n + 1
+        result = real_chain(target_argmax, drafts)
+        return off_by_one(result, 1 + int(result[0]), int(target_argmax.max())) if len(drafts) else result
 
-    monkeypatch.setattr(decoding, "verify_chain_greedy", lossy_chain)
-    monkeypatch.setattr(decoding, "verify_tree_greedy", lossy_tree)
+    def lossy_tree(target_argmax, tree, tokens):  # -> (n, path[D], appended[D + 1])
+        result = real_tree(target_argmax, tree, tokens)
+        return off_by_one(result, 1 + tree.max_depth + int(result[0]), int(target_argmax.max()))
+
+    monkeypatch.setattr(decoding, "accept_chain_greedy", lossy_chain)
+    monkeypatch.setattr(decoding, "accept_tree_greedy", lossy_tree)
     store = f"sqlite:///{tmp_path / 'lossy.db'}"
     report_path = tmp_path / "study.json"
     code, out, err = run(capsys, "study", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--space", "draft",
