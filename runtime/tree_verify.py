@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampling import residual, sample
+from runtime.sampling import residual
 from runtime.tree import CompiledTree, tree_tables
 
 
