@@ -30,12 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compile our decode steps (torch.compile fullgraph; CUDA graphs on CUDA); first steps pay the compile")
 
 
-def _add_prompt_args(p: argparse.ArgumentParser, need_task: bool) -> None:
-    if not need_task:
+def _add_prompt_args(p: argparse.ArgumentParser, need_task: bool, single_prompt: bool = True) -> None:
+    if not need_task and single_prompt:
         p.add_argument("--prompt", help="a single prompt (chat template applied when the model has one)")
     p.add_argument("--task", required=need_task, help="task name: gsm8k, humaneval, mt-bench, prompts")
     p.add_argument("--data", help="data file or folder for the task (default: $AUTOTUNE_DATA_DIR)")
-    p.add_argument("--limit", type=int, default=None if not need_task else 5)
+    p.add_argument("--limit", type=int, default=None if single_prompt and not need_task else 5)
     p.add_argument("--offset", type=int, default=0, help="skip this many prompts of the task")
     p.add_argument("--max-new-tokens", type=int, default=128)
 
@@ -67,8 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
     bench = sub.add_parser("bench", help="compare decoding methods side by side on one task")
     _add_model_args(bench)
-    _add_prompt_args(bench, need_task=True)
+    _add_prompt_args(bench, need_task=False, single_prompt=False)
     _add_strategy_args(bench)
+    bench.add_argument(
+        "--random-weights", action="store_true",
+        help="build the models from their configs with random weights and run synthetic prompts (costs are real, "
+        "tokens meaningless: a GPU machine without the weights); no --task",
+    )
+    bench.add_argument("--prompt-len", type=int, default=128, help="tokens per synthetic prompt (--random-weights)")
     bench.add_argument(
         "--methods", default="hf,vanilla,sd",
         help="comma list of: hf, hf-static, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec, uniform (the "
@@ -242,6 +248,24 @@ def _fitting_prompts(args: argparse.Namespace, pool: Any, target: Any, items: li
     return prompts, cfg
 
 
+def _synthetic_prompts(args: argparse.Namespace, pool: Any, target: Any) -> tuple[list[Any], Any]:
+    """``--limit`` seeded random prompts of ``--prompt-len`` ids for random-weight models, decoded
+    without EOS (every method runs the full budget: only the costs mean anything)."""
+    import torch
+
+    from runtime.pipeline import build_decoder
+    from search_spaces.strategy import PLAIN
+
+    cfg = _generation_config(args, ())
+    vocab = target.hf_model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(f"random-{i}", torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist())
+               for i in range(args.limit or 5)]
+    checker = build_decoder(pool, target, PLAIN, None)
+    checker.check_fits(args.prompt_len, cfg)
+    return prompts, cfg
+
+
 def _check_common(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -289,7 +313,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     strategy = _strategy(args)
     if args.draft:  # a draft precision the device cannot run fails before any load
         draft_load_dtype(strategy, args.device, args.compile)
-    pool = ModelPool(device=args.device, compile=args.compile)
+    pool = ModelPool(device=args.device, compile=args.compile, random_weights=getattr(args, "random_weights", False))
     target = pool.get(args.model, args.dtype)
     strategy = _chosen_strategy(args, target, strategy)
     if args.draft:
@@ -340,10 +364,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     _check_common(args)
     methods = parse_methods(args.methods)
-    items = _prompt_items(args)
+    if args.random_weights:
+        if args.task:
+            raise CliError("--random-weights runs synthetic prompts (random models have no tokenizer); drop --task")
+        if args.prompt_len < 1:
+            raise CliError(f"--prompt-len must be at least 1, got {args.prompt_len}")
+        items = []
+    elif not args.task:
+        raise CliError("bench needs --task NAME (or --random-weights for synthetic prompts on random weights)")
+    else:
+        items = _prompt_items(args)
     _check_tuned_stored(args, methods)
     pool, target, strategy = _load(args)
-    prompts, cfg = _fitting_prompts(args, pool, target, items)
+    if args.random_weights:
+        prompts, cfg = _synthetic_prompts(args, pool, target)
+    else:
+        prompts, cfg = _fitting_prompts(args, pool, target, items)
     ctx = BenchContext(
         pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy,
         lp_size=args.lp_size, skip_ratio=args.skip_ratio, task=args.task, storage=args.storage,
@@ -353,7 +389,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report["config"] = {
         "model": target.model_id, "draft": args.draft, "task": args.task, "limit": len(prompts),
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "strategy": strategy.to_dict(),
-        "compile": args.compile,
+        "compile": args.compile, "random_weights": args.random_weights,
         "threads": __import__("torch").get_num_threads(),
     }
     print(format_table(report))

@@ -215,11 +215,20 @@ def random_model(
         with dev:  # initialise in place on the device (an 8B model need not fit in host RAM first)
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.eval()
+    model.generation_config.eos_token_id = None  # random tokens: no sequence ends early, every method decodes the budget
     return LoadedModel(name=name, model_id=f"{name}@random:{seed}", revision="random", hf_model=model, tokenizer=None)
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
-    """A draft must share the target's tokenizer vocabulary (token ids mean the same text)."""
+    """A draft must share the target's tokenizer vocabulary (token ids mean the same text); random
+    models (no tokenizer) must at least have the same vocabulary size."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        tn, dn = target.hf_model.config.vocab_size, draft.hf_model.config.vocab_size
+        if tn != dn:
+            raise RuntimeUserError(
+                f"draft '{draft.name}' has {dn} token ids, target '{target.name}' {tn}; pick a draft of the same family"
+            )
+        return
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if tv != dv:
         only_t = len(set(tv.items()) - set(dv.items()))

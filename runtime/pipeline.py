@@ -12,7 +12,7 @@ from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
 from runtime.lookup import PromptLookupDrafter
-from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype
+from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype, random_model
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
 
@@ -27,6 +27,7 @@ class ModelPool:
 
     device: str = "cpu"
     compile: bool = False
+    random_weights: bool = False  # build models from their configs with seeded random weights (costs only)
     _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
     # target wrappers whose weights were repacked, by (model, backend, width): one copy each
     _prepared: dict[tuple[int, str, int | None], CausalLM] = field(default_factory=dict)
@@ -61,7 +62,8 @@ class ModelPool:
         torch_dtype = parse_dtype(dtype, self.device) if isinstance(dtype, str) else dtype
         key = (name, torch_dtype)
         if key not in self._models:
-            self._models[key] = load_model(name, torch_dtype, self.device)
+            load = random_model if self.random_weights else load_model
+            self._models[key] = load(name, torch_dtype, self.device)
         return self._models[key]
 
 

@@ -71,6 +71,39 @@ def test_profile_bad_input_is_one_line(args, needles):
     assert_one_line_error(run_cli(*args), *needles)
 
 
+def test_bench_random_weights_runs_synthetic_prompts_without_weights(tmp_path, monkeypatch):
+    """``bench --random-weights``: models from configs, seeded random prompts, no EOS; every method
+    decodes the whole budget and our methods still agree with HF token for token (fp32 CPU)."""
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("runtime.loading._package_dir", _no_weights)
+    monkeypatch.setattr("runtime.pipeline.load_model", _no_weights)
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "float32",
+        "--random-weights", "--limit", "1", "--prompt-len", "8", "--max-new-tokens", "6",
+        "--methods", "hf,vanilla,sd", "--draft-length", "3", "--confidence-threshold", "0", "--json", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["random_weights"] and report["config"]["model"] == "smollm2-135m@random:0"
+    for name, m in report["methods"].items():
+        assert m["new_tokens"] == 6 and m["identical_to_baseline"], name
+    assert report["methods"]["sd"]["mean_tree_size"] > 0  # speculation happened
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["bench", "--model", "smollm2-135m", "--random-weights", "--task", "gsm8k"], ["--random-weights", "drop --task"]),
+        (["bench", "--model", "smollm2-135m"], ["bench needs --task"]),
+        (["bench", "--model", "smollm2-135m", "--random-weights", "--prompt-len", "0"], ["--prompt-len", "at least 1"]),
+    ],
+)
+def test_bench_task_or_random_weights_is_one_line(args, needles):
+    assert_one_line_error(run_cli(*args), *needles)
+
+
 def test_every_packaged_alias_ships_its_config():
     packaged = {name for name, src in MODEL_ALIASES.items() if isinstance(src, PackagedGGUF)}
     assert packaged <= set(packaged_configs())
