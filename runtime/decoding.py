@@ -90,8 +90,7 @@ class Decoder:
         eos = set(config.eos_token_ids)
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = self.target(torch.tensor(prompt, device=self.target.device), cache, logits_for=slice(-1, None))
-            out = [self._pick(logits[0], config.sampling, gen)]
+            out = [self.prefill(prompt, cache, config.sampling, gen)]
             stats.prefill_s = time.perf_counter() - start
             stats.target_forwards = 1
             if self.drafter is not None:
@@ -139,7 +138,12 @@ class Decoder:
             _record_round(stats, draft, len(path), cut)
         return new_tokens
 
-    def _verify_forward(
+    def prefill(self, prompt: list[int], cache: KVCache, params: SamplingParams, gen: torch.Generator) -> int:
+        """The prompt in one exact-length forward (eager: its length varies) -> the first new token."""
+        logits = self.target(torch.tensor(prompt, device=self.target.device), cache, logits_for=slice(-1, None))
+        return self._pick(logits[0], params, gen)
+
+    def verify(
         self, cur: int, draft: Draft, cache: KVCache, tree: CompiledTree | None = None
     ) -> torch.Tensor:
         """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32).
@@ -163,7 +167,7 @@ class Decoder:
     ) -> tuple[list[int], list[int]]:
         """-> (accepted draft indices, appended tokens)."""
         base = cache.length
-        logits = self._verify_forward(cur, draft, cache)  # [k+1, V]
+        logits = self.verify(cur, draft, cache)  # [k+1, V]
         if params.greedy:
             result = accept_chain_greedy(logits.argmax(dim=-1), draft.tokens)
         else:
@@ -180,7 +184,7 @@ class Decoder:
         assert draft.parents is not None
         tree = compile_tree(tuple(draft.parents))
         base = cache.length
-        logits = self._verify_forward(cur, draft, cache, tree)  # [N+1, V]
+        logits = self.verify(cur, draft, cache, tree)  # [N+1, V]
         if params.greedy:
             result = accept_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
         else:

@@ -169,14 +169,22 @@ class ModelDrafter:
             tokens.append(picked)
             if depth + 1 == len(widths):
                 break
-            start = self.cache.length
-            pos = None if layout.chain else torch.full_like(picked, self.round.base + depth)
-            rel = None if layout.chain else layout.frontier_masks[depth]
-            logits = self.model(picked, self.cache, positions=pos, rel_mask=rel, plan=self.plan).float()
-            for r in range(picked.shape[0]):
-                self.round.slot[start - self.round.base + r] = start - self.round.base + r
+            logits = self.draft_depth(picked, depth, layout)
         q = None if params.greedy else _pad_vocab(torch.cat(qs), self.target_vocab)
         return Draft(torch.cat(tokens), q, layout.parents)
+
+    def draft_depth(self, frontier: torch.Tensor, depth: int, layout: "StaticLayout") -> torch.Tensor:
+        """One draft step of a static shape: the frontier's tokens ``[F]`` (device) at tree depth
+        ``depth + 1`` through the draft under its plan -> their logits ``[F, Vd]``. A chain's step
+        is the causal default; a tree's frontier sees the prefix, its ancestors and itself."""
+        rnd = self.round
+        offset = self.cache.length - rnd.base  # the frontier's first node index = its row offset
+        pos = None if layout.chain else torch.full_like(frontier, rnd.base + depth)
+        rel = None if layout.chain else layout.frontier_masks[depth]
+        logits = self.model(frontier, self.cache, positions=pos, rel_mask=rel, plan=self.plan).float()
+        for r in range(frontier.shape[0]):
+            rnd.slot[offset + r] = offset + r
+        return logits
 
     def _propose_adaptive(
         self, shape: TreeShape, depth_max: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
