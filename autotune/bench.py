@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
+from runtime.compiled import bucketed
 from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
@@ -76,8 +77,7 @@ STATIC_CACHE_BUCKET = 512  # hf-static sizes its cache in these steps: one compi
 
 def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
     """The static cache length for a prompt: its worst case rounded up to a bucket."""
-    need = prompt_len + max_new_tokens
-    return -(-need // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+    return bucketed(prompt_len + max_new_tokens, STATIC_CACHE_BUCKET)
 
 
 def _hf_static(ctx: BenchContext) -> Method:

@@ -237,15 +237,21 @@ def _generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
 
 def _fitting_prompts(args: argparse.Namespace, pool: Any, target: Any, items: list[Any]) -> tuple[list[Any], Any]:
     """Tokenised prompts and the generation config; a prompt too long for the context fails here."""
-    from runtime.pipeline import build_decoder, eos_ids
-    from search_spaces.strategy import PLAIN
+    from runtime.pipeline import eos_ids
 
     prompts = _tokenize(items, target.tokenizer)
     cfg = _generation_config(args, eos_ids(target))
+    _check_prompts_fit(pool, target, prompts, cfg)
+    return prompts, cfg
+
+
+def _check_prompts_fit(pool: Any, target: Any, prompts: list[tuple[str, list[int]]], cfg: Any) -> None:
+    from runtime.pipeline import build_decoder
+    from search_spaces.strategy import PLAIN
+
     checker = build_decoder(pool, target, PLAIN, None)
     for _, ids in prompts:
         checker.check_fits(len(ids), cfg)
-    return prompts, cfg
 
 
 def _synthetic_prompts(args: argparse.Namespace, pool: Any, target: Any) -> tuple[list[Any], Any]:
@@ -253,16 +259,12 @@ def _synthetic_prompts(args: argparse.Namespace, pool: Any, target: Any) -> tupl
     without EOS (every method runs the full budget: only the costs mean anything)."""
     import torch
 
-    from runtime.pipeline import build_decoder
-    from search_spaces.strategy import PLAIN
-
     cfg = _generation_config(args, ())
     vocab = target.hf_model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [(f"random-{i}", torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist())
                for i in range(args.limit or 5)]
-    checker = build_decoder(pool, target, PLAIN, None)
-    checker.check_fits(args.prompt_len, cfg)
+    _check_prompts_fit(pool, target, prompts, cfg)
     return prompts, cfg
 
 

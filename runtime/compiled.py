@@ -2,7 +2,7 @@
 step (``CausalLM._step``), one graph per (layer plan, width, mask shape).
 
 Every forward after the prefill has static shapes (decode ``T = 1``, verify ``T = W``, a draft
-tree's frontier per depth, a catch-up padded to ``k + 1``), so a decode compiles a handful of graphs
+tree's frontier per depth, a catch-up padded to the draft depth + 1), so a decode compiles a handful of graphs
 once and replays them. On CUDA the mode is ``reduce-overhead`` (CUDA graphs). ``fullgraph=True``
 makes a graph break an error instead of a silent partial compile, and the number of graphs is
 bounded: past ``MAX_COMPILED_STEPS`` distinct steps every compiled graph is dropped
@@ -39,8 +39,9 @@ def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Calla
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode(device))
 
 
-def bucketed(capacity: int) -> int:
-    return -(-capacity // CAPACITY_BUCKET) * CAPACITY_BUCKET
+def bucketed(capacity: int, step: int = CAPACITY_BUCKET) -> int:
+    """``capacity`` rounded up to a multiple of ``step``."""
+    return -(-capacity // step) * step
 
 
 def run_step(step: Callable[..., torch.Tensor], device: torch.device, *args: Any) -> torch.Tensor:

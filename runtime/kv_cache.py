@@ -30,14 +30,12 @@ class KVCache:
         with torch.inference_mode(False):  # normal tensors wherever allocated (compiled steps guard on it)
             self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
             self.all_values = torch.zeros(shape, dtype=dtype, device=device)
-        self.keys = list(self.all_keys.unbind(0))  # per-layer views [Hkv, S, D]
-        self.values = list(self.all_values.unbind(0))
         self.capacity = capacity
         self.length = 0
 
     @property
     def n_layers(self) -> int:
-        return len(self.keys)
+        return self.all_keys.shape[0]
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:
@@ -60,7 +58,7 @@ class KVCache:
         valid), or over the first ``key_len`` slots."""
         if slots is None:
             slots = self.slots(k.shape[1])
-        keys, values = self.all_keys[layer], self.all_values[layer]  # views of the base (compile-friendly)
+        keys, values = self.all_keys[layer], self.all_values[layer]  # [Hkv, S, D] views
         keys.index_copy_(1, slots, k.to(keys.dtype))
         values.index_copy_(1, slots, v.to(values.dtype))
         if key_len is not None:
@@ -84,7 +82,7 @@ class KVCache:
 
     def view(self, layer: int, n_new: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + n_new
-        return self.keys[layer][:, :end], self.values[layer][:, :end]
+        return self.all_keys[layer][:, :end], self.all_values[layer][:, :end]
 
     def advance(self, n_new: int) -> None:
         self.check_room(n_new)

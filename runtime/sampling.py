@@ -146,14 +146,18 @@ def accept_chain(p: Tensor, q: Tensor | None, draft_tokens: Tensor, generator: t
     k = draft_tokens.shape[0]
     draft_tokens = draft_tokens.to(device=p.device, dtype=torch.long)
     rows = torch.arange(k, device=p.device)
-    if q is None:
-        q = torch.nn.functional.one_hot(draft_tokens, p.shape[1]).to(p.dtype)  # [k, V]
     p_x = p[rows, draft_tokens]  # [k]
-    q_x = q[rows, draft_tokens]  # [k]
+    q_x = torch.ones_like(p_x) if q is None else q[rows, draft_tokens]  # [k] (one-hot: q(x) = 1)
     u = torch.rand(k, generator=generator, device=p.device, dtype=p_x.dtype)  # [k]
     n = torch.cumprod((u * q_x < p_x).long(), dim=0).sum()  # accepted prefix: u < p/q, without dividing
-    q_ext = torch.cat([q, torch.zeros_like(p[:1])])  # row k: no draft -> residual(p[k], 0) = p[k], the bonus
-    nxt = torch.multinomial(residual(p[n], q_ext[n]), 1, generator=generator)  # [1]
+    # q's row at the first rejection; after k acceptances none (residual(p[k], 0) = p[k], the bonus)
+    if k == 0:
+        q_n = torch.zeros_like(p[0])
+    elif q is None:
+        q_n = torch.nn.functional.one_hot(draft_tokens[n.clamp(max=k - 1)], p.shape[1]).to(p.dtype) * (n < k)
+    else:
+        q_n = q[n.clamp(max=k - 1)] * (n < k)
+    nxt = torch.multinomial(residual(p[n], q_n), 1, generator=generator)  # [1]
     kept = torch.cat([draft_tokens, nxt])
     out = torch.where(torch.arange(k + 1, device=p.device) < n, kept, nxt)  # [k+1]
     return torch.cat([n[None], out])

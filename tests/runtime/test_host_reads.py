@@ -96,29 +96,32 @@ MODES: dict[str, tuple[Callable[[], Decoder], bool]] = {  # name -> (decoder, dr
 SAMPLING = {"greedy": SamplingParams(), "sampled": SamplingParams(temperature=0.8, top_k=40, top_p=0.95)}
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLING))
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_round_reads_the_device_at_most_twice(mode: str, sampling: str) -> None:
-    build, deep = MODES[mode]
-    decoder = build()
+def count_reads(decoder: Decoder, params: SamplingParams) -> tuple[int, Any]:
+    """Host reads from the first round to the end of a 40-token decode -> (reads, stats)."""
     counter = Counter()
 
     def start_counting(*_: Any) -> None:
         counter.on = True
 
-    cfg = GenerationConfig(max_new_tokens=40, sampling=SAMPLING[sampling], seed=3)
+    cfg = GenerationConfig(max_new_tokens=40, sampling=params, seed=3)
     with counting(counter), torch.inference_mode():
         result = decoder.generate(PROMPT, cfg, before_round=start_counting)
-    stats = result.stats
+    return counter.reads, result.stats
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_round_reads_the_device_at_most_twice(mode: str, sampling: str) -> None:
+    build, deep = MODES[mode]
+    decoder = build()
+    reads, stats = count_reads(decoder, SAMPLING[sampling])
     rounds = stats.target_forwards - 1
     assert rounds > 0
     if decoder.drafter is not None:
         assert stats.drafted > 0, "nothing was drafted: the rounds counted are plain ones"
     if deep:
         assert max(stats.accept_hist[2:] or [0]) > 0, "no round accepted depth >= 2"
-    assert rounds <= counter.reads <= MAX_READS_PER_ROUND * rounds, (
-        f"{counter.reads} host reads in {rounds} rounds"
-    )
+    assert rounds <= reads <= MAX_READS_PER_ROUND * rounds, f"{reads} host reads in {rounds} rounds"
 
 
 def test_the_counter_sees_a_read_the_round_should_not_make(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,3 +141,13 @@ def test_the_counter_sees_a_read_the_round_should_not_make(monkeypatch: pytest.M
     with counting(counter), torch.inference_mode():
         result = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40), before_round=lambda *_: setattr(counter, "on", True))
     assert counter.reads > MAX_READS_PER_ROUND * (result.stats.target_forwards - 1)
+
+
+if __name__ == "__main__":  # the table in docs/benchmarks.md: python -m tests.runtime.test_host_reads
+    print("| mode | sampling | rounds | reads | reads / round | drafted |\n|---|---|---|---|---|---|")
+    for mode, (build, _) in MODES.items():
+        for name, params in SAMPLING.items():
+            reads, stats = count_reads(build(), params)
+            rounds = stats.target_forwards - 1
+            print(f"| {mode} | {name} | {rounds} | {reads} | {reads / rounds:.2f} | {stats.drafted} |")
+
