@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotune.errors import USER_ERRORS, CliError
+from autotune.report_cmd import add_report_parser, cmd_report
 from autotune.strategies_cmd import add_strategies_parser, cmd_strategies
 
 
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lp-size", type=int, default=4, help="EasySpec layer-parallel size for method easyspec")
     bench.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
     bench.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+    bench.add_argument("--plot", type=Path, metavar="FILE", help="draw the methods side by side into this PNG")
     add_strategies_parser(sub)
+    add_report_parser(sub)
     _add_profile_parser(sub)
     diag = sub.add_parser("diagnose", help="EasySpec table 5: cosine similarity of exact vs. fuzzy attention states")
     diag.add_argument("--model", required=True, help="model: alias, local directory or hub id")
@@ -123,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
+    study.add_argument("--plot", type=Path, metavar="DIR", help="write the study's plots and an index.html into DIR")
     serve = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
     _add_model_args(serve)
     serve.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
@@ -397,6 +401,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json_out:
         write_report(report, args.json_out)
+    if args.plot:
+        from autotune.plots import bench_plot
+
+        bench_plot(report, args.plot)
     return 0
 
 
@@ -471,6 +479,10 @@ def cmd_study(args: argparse.Namespace) -> int:
         from autotune.bench import write_report
 
         write_report(report.as_dict(), args.json_out)
+    if args.plot:
+        from autotune.report_cmd import plot_study
+
+        print(f"plots: {plot_study(args.storage, report.name, args.plot)}")
     return 1 if report.refused else 0
 
 
@@ -520,6 +532,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "strategies": cmd_strategies,
     "serve": cmd_serve,
     "profile": cmd_profile,
+    "report": cmd_report,
 }
 
 
