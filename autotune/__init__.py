@@ -12,7 +12,6 @@ _EXPORTS = {
     "run_study": "autotune.study",
     "OnlineTuner": "autotune.tuner",
     "TunerSettings": "autotune.tuner",
-    "apply_strategy": "autotune.tuner",
     "MeasuredCostModel": "autotune.cost_model",
     "matchness": "autotune.matchness",
     "predict": "autotune.objective",

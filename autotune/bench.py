@@ -154,10 +154,10 @@ def _selfspec_strategy(ctx: BenchContext) -> Strategy:
 def _uniform_strategy(ctx: BenchContext) -> Strategy:
     """What ``autotune study`` starts from before tuning (its default space's reference): EasySpec's
     default layer-parallel plan with a draft model, SWIFT's uniform skip (``--skip-ratio``) without."""
-    from autotune.study import default_space, space_context
+    from autotune.study import reference_space, space_context
     from search_spaces.spaces import get_space, uniform_strategy
 
-    space = get_space(default_space(ctx.draft_name))
+    space = get_space(reference_space(ctx.draft_name))
     draft = ctx.pool.get(ctx.draft_name, "float32") if ctx.draft_name else None
     ratio = float(ctx.options.get("r", ctx.skip_ratio))
     return uniform_strategy(space.name, space_context(space, ctx.target, draft, ratio))

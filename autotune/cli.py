@@ -116,13 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--offset", type=int, default=0)
     study.add_argument("--max-new-tokens", type=int, default=128)
     study.add_argument("--storage", help="SQLAlchemy URL (default: $AUTOTUNE_STORAGE or a SQLite file in the user data dir)")
-    study.add_argument("--space", help="search space: layer-skip (default without --draft), layer-skip-free, easyspec (default with --draft), draft")
-    study.add_argument("--trials", type=int, default=1000, help="stop tuning after this many trials (S)")
-    study.add_argument("--patience", type=int, default=300, help="stop after this many trials without improvement")
-    study.add_argument("--window", type=int, default=32, help="generated tokens each candidate is scored on (gamma)")
-    study.add_argument("--beta", type=int, default=25, help="every beta-th trial is Bayesian")
+    study.add_argument("--space", help="search space: auto (default: plain / prompt lookup / the draft model, or the "
+                       "target skipping layers without --draft), layer-skip, layer-skip-free, easyspec, draft, lookup")
+    study.add_argument("--trials", type=int, help="stop tuning after this many trials (S; default 1000)")
+    study.add_argument("--patience", type=int, help="stop after this many trials without a new racer (default 300)")
+    study.add_argument("--window", type=int, help="generated tokens each candidate is scored on (gamma; default 32)")
+    study.add_argument("--beta", type=int, help="every beta-th trial is Bayesian (default 10)")
     study.add_argument("--stop-matchness", type=float, help="stop tuning once the best matchness reaches this (0..1]")
-    study.add_argument("--max-share", type=float, default=0.1, help="cap on tuning time as a share of decode time")
+    study.add_argument("--max-share", type=float, help="cap on tuning time as a share of decode time (default 0.02)")
     study.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
@@ -454,10 +455,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     check_space_choice(space, args.draft)
     if not 0.0 <= args.skip_ratio < 1.0:
         raise CliError(f"--skip-ratio must be in [0, 1), got {args.skip_ratio}")
-    settings = TunerSettings(
-        window=args.window, beta=args.beta, max_trials=args.trials, patience=args.patience, seed=args.seed,
-        match_threshold=args.stop_matchness, max_share=args.max_share,
-    )
+    given = {"window": args.window, "beta": args.beta, "max_trials": args.trials, "patience": args.patience,
+             "seed": args.seed, "match_threshold": args.stop_matchness, "max_share": args.max_share}
+    settings = TunerSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: TunerSettings' defaults
     items = _prompt_items(args)
     with open_storage(args.storage) as storage:  # an unreachable store fails before any load
         pool = ModelPool(device=args.device)

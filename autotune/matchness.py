@@ -71,3 +71,46 @@ def score_logits(logits: torch.Tensor, targets: torch.Tensor) -> Match:
     hits = torch.stack([eq[:, : min(k, kmax)].any(dim=-1) for k in TOP_K], dim=-1)
     conf = torch.softmax(logits, dim=-1).amax(dim=-1)
     return Match(hits.cpu(), conf.cpu())
+
+
+@dataclass(frozen=True)
+class LookupMatch:
+    """Prompt lookup replayed on a window: for every window position, how many tokens the n-gram
+    lookup would propose there (up to ``max_k``) and how many of them the target's tokens accept
+    (the proposal's common prefix with what followed). Deterministic drafts, so greedy acceptance
+    is exactly this prefix."""
+
+    proposed: tuple[int, ...]
+    accepted: tuple[int, ...]
+
+    @property
+    def window(self) -> int:
+        return len(self.proposed)
+
+    @property
+    def rate(self) -> float:
+        """Share of positions whose first proposed token is the target's (lookup's matchness)."""
+        return sum(a > 0 for a in self.accepted) / self.window if self.window else 0.0
+
+
+def lookup_match(tokens: list[int], window: int, max_k: int) -> LookupMatch:
+    """Replay ``PromptLookupDrafter`` over the last ``window`` tokens of ``tokens`` (the history
+    before each position is what the drafter would have held there). Pure token work, no model."""
+    from runtime.lookup import PromptLookupDrafter
+
+    n = len(tokens)
+    w = min(window, n - 1)
+    drafter = PromptLookupDrafter()
+    drafter.begin(tokens[: n - w], 0)
+    proposed, accepted = [], []
+    for i in range(n - w, n):
+        start = drafter.match(max_k)
+        guess = drafter.history[start : start + max_k] if start is not None else []
+        truth = tokens[i : i + len(guess)]
+        a = 0
+        while a < len(truth) and guess[a] == truth[a]:
+            a += 1
+        proposed.append(len(guess))
+        accepted.append(a)
+        drafter.observe(0, [tokens[i]])
+    return LookupMatch(tuple(proposed), tuple(accepted))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.cost_model import CostModel
-from autotune.matchness import TOP_K, Match
+from autotune.matchness import TOP_K, LookupMatch, Match
 from search_spaces.strategy import Strategy
 
 
@@ -78,3 +78,21 @@ def predict(strategy: Strategy, match: Match, cost: CostModel) -> Prediction:
         seconds_per_round=draft_s + cost.verify_s(),
         draft_seconds=draft_s,
     )
+
+
+def predict_plain(cost: CostModel) -> Prediction:
+    """Plain decoding: one token per single-row target step."""
+    return Prediction(tokens_per_round=1.0, draft_forwards=0.0, seconds_per_round=cost.plain_step_s(), draft_seconds=0.0)
+
+
+def predict_lookup(strategy: Strategy, match: LookupMatch, cost: CostModel) -> Prediction:
+    """Prompt lookup: drafting is a dict lookup (no forward); a round that found a match verifies
+    at the padded width, one that found none is a plain single-row step. Averaged over the
+    window's start positions that leave room for a full draft (as ``replay`` does)."""
+    k, w = strategy.draft_length, match.window
+    starts = range(max(1, w - k)) if w > k else range(w)
+    n = max(len(starts), 1)
+    accepted = sum(min(match.accepted[i], k) for i in starts) / n
+    drafting = sum(match.proposed[i] > 0 for i in starts) / n
+    seconds = drafting * cost.verify_s() + (1.0 - drafting) * cost.plain_step_s()
+    return Prediction(tokens_per_round=accepted + 1.0, draft_forwards=0.0, seconds_per_round=seconds, draft_seconds=0.0)

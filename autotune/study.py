@@ -1,9 +1,11 @@
 """``autotune study``: decode a task's prompts while tuning the strategy online, persist the best.
 
-1. The space's untuned reference ("uniform": SWIFT's uniform skip, EasySpec's default plan)
-   decodes first; the online tuner (``autotune.tuner``) scores candidates between rounds and
-   switches to better ones; trials go to Optuna's RDB storage (one study per model, draft, task,
-   space and hardware; resumed when it exists).
+1. Plain decoding runs first, every drafter kind of the space following the sequence on standby;
+   the online tuner (``autotune.tuner``) scores candidates between rounds, races them on fresh
+   windows and switches only to one that measured faster; trials go to Optuna's RDB storage (one
+   study per model, draft, task, space and hardware; resumed when it exists, its best tried first).
+   The default space is ``auto`` (plain / prompt lookup / the draft model or the target's own
+   layers, with trees, lengths, thresholds, layer-parallel groups and calibration).
 2. The best strategy and plain decoding then run side by side on the first ``CHECK_PROMPTS``
    prompts: measured tokens/s, speedup and token identity.
 3. The faster of the two (plain decoding is a point of every space: a study never stores a
@@ -36,13 +38,19 @@ from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
 
 # `autotune study` with no --model: the packaged Qwen2.5-Coder pair on HumanEval (no data files needed)
 DEFAULT_MODEL, DEFAULT_DRAFT, DEFAULT_TASK = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "humaneval"
-DEFAULT_SPACE = {"draft-model": "easyspec", "layer-skip": "layer-skip"}  # by whether --draft is given
+DEFAULT_SPACE = "auto"  # the joint space: plain / prompt lookup / the drafting model, with or without --draft
+# the named subset a bench's `uniform` method starts from (EasySpec's plan, SWIFT's uniform skip)
+REFERENCE_SPACE = {"draft-model": "easyspec", "layer-skip": "layer-skip"}
 MAX_DRAFT_LENGTH = 12
 CHECK_PROMPTS = 2
 
 
 def default_space(draft: str | None) -> str:
-    return DEFAULT_SPACE["draft-model" if draft else "layer-skip"]
+    return DEFAULT_SPACE
+
+
+def reference_space(draft: str | None) -> str:
+    return REFERENCE_SPACE["draft-model" if draft else "layer-skip"]
 
 
 def check_space_choice(space: SearchSpace, draft: str | None) -> None:
@@ -51,23 +59,32 @@ def check_space_choice(space: SearchSpace, draft: str | None) -> None:
         raise CliError(f"search space '{space.name}' tunes a draft model; pass --draft MODEL")
     if space.drafter == "layer-skip" and draft is not None:
         raise CliError(f"search space '{space.name}' drafts with the target itself; drop --draft")
-    if space.drafter not in ("draft-model", "layer-skip"):
-        raise CliError(
-            f"search space '{space.name}' cannot be tuned online (no drafting model to score with matchness); "
-            "use layer-skip, layer-skip-free, easyspec or draft"
-        )
 
 
 def space_context(space: SearchSpace, target: LoadedModel, draft: LoadedModel | None, skip_ratio: float) -> SpaceContext:
     check_space_choice(space, None if draft is None else draft.model_id)
+    target_layers = target.hf_model.config.num_hidden_layers
+    draft_layers = None if draft is None else draft.hf_model.config.num_hidden_layers
+    if space.drafter == "layer-skip":
+        base = Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(target_layers, skip_ratio))
+        return SpaceContext(n_layers=target_layers, base=base, skip_ratio=skip_ratio, max_draft_length=MAX_DRAFT_LENGTH)
     if space.drafter == "draft-model":
-        assert draft is not None
-        n = draft.hf_model.config.num_hidden_layers
-        base = Strategy()
-    else:
-        n = target.hf_model.config.num_hidden_layers
-        base = Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(n, skip_ratio))
-    return SpaceContext(n_layers=n, base=base, skip_ratio=skip_ratio, max_draft_length=MAX_DRAFT_LENGTH)
+        assert draft_layers is not None
+        return SpaceContext(n_layers=draft_layers, skip_ratio=skip_ratio, max_draft_length=MAX_DRAFT_LENGTH)
+    return SpaceContext(n_layers=target_layers, skip_ratio=skip_ratio, max_draft_length=MAX_DRAFT_LENGTH,
+                        draft_layers=draft_layers)
+
+
+def standby_strategies(space: SearchSpace, ctx: SpaceContext) -> list[Strategy]:
+    """One strategy per drafter kind of the space: the tuning decoder holds each kind's drafter
+    (following the sequence while plain decoding runs) and ``Decoder.apply`` reconfigures it."""
+    out = []
+    for kind in space.kinds(ctx):
+        if kind == "layer-skip":
+            out.append(Strategy(drafter=kind, layer_plan=uniform_skip_plan(ctx.n_layers, ctx.skip_ratio)))
+        elif kind in ("draft-model", "prompt-lookup"):
+            out.append(Strategy(drafter=kind))
+    return out
 
 
 def verify_width(space: SearchSpace, ctx: SpaceContext) -> int:
@@ -135,7 +152,8 @@ def run_study(
     ctx = space_context(space, target, draft, skip_ratio)
     uniform = uniform_strategy(space.name, ctx)
     width = verify_width(space, ctx)
-    decoder = build_decoder(pool, target, uniform, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+    uses_draft = draft_name if "draft-model" in space.kinds(ctx) else None
+    decoder = build_decoder(pool, target, PLAIN, uses_draft, verify_width=width, standby=standby_strategies(space, ctx))
     key = strategy_key(target, draft_name, task, pool.device)
     name = study_name(key, space.name)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -143,14 +161,12 @@ def run_study(
         study_name=name, storage=storage.optuna_storage(), direction="maximize", load_if_exists=True,
         sampler=optuna.samplers.RandomSampler(seed=settings.seed),
     )
+    # a resumed study's best is tried first (it must win its race); a new one starts with the reference
     initial = _resume(study, space, ctx) or uniform
-    if initial != uniform:
-        decoder = build_decoder(pool, target, initial, draft_name if space.drafter == "draft-model" else None, verify_width=width)
-    else:
-        study.enqueue_trial(space.encode(uniform, ctx), skip_if_exists=True)
-    assert decoder.drafter is not None
+    drafting = decoder.drafter_of("draft-model") or decoder.drafter_of("layer-skip")
     mean_len = sum(len(p) for p in prompts) // max(len(prompts), 1)
-    cost = MeasuredCostModel(draft=decoder.drafter.model, target=decoder.target, verify_width=width, context=mean_len + cfg.max_new_tokens // 2)
+    cost = MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
+                             verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1)
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
     stats = DecodeStats()
     start = time.perf_counter()
@@ -161,14 +177,20 @@ def run_study(
             tuner.end_prompt(ids + result.tokens, result.stats)
             stats = stats.merge(result.stats)
             bar.update(1)
-            bar.set_postfix_str(f"trials {tuner.state.trials} best {tuner.state.best_score:.2f} tok/s (pred)")
+            bar.set_postfix_str(f"trials {tuner.state.trials} incumbent {tuner.state.best_score:.2f} tok/s")
     tune_wall = time.perf_counter() - start
     tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # cost-model timing included
-    check = _check(pool, target, draft_name, space, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
+    check = _check(pool, target, uses_draft, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
     summary = tuner.summary()
-    study.set_user_attr("kept", summary["kept"])  # predicted vs measured tok/s of every kept strategy
     chosen, reason = choose_stored(tuner.best, check)
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
+    predicted = tuner.predicted_tps(chosen) if chosen is tuner.best else summary["plain_predicted_tps"]
+    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen_stats.tokens_per_s,
+                         "ratio": predicted / chosen_stats.tokens_per_s if predicted and chosen_stats.tokens_per_s else None}
+    for attr, value in (("kept", summary["kept"]), ("switches", summary["switches"]), ("stored", summary["stored"]),
+                        ("rejected", summary["rejected"]), ("tune_stats", stats.as_dict()),
+                        ("plain_predicted_tps", summary["plain_predicted_tps"]), ("tuning_share", tuning_share)):
+        study.set_user_attr(attr, value)  # what `autotune report` draws
     report = StudyReport(
         name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
         tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
@@ -177,7 +199,7 @@ def run_study(
     )
     report.history_id = storage.record(key, chosen, ResultMetrics(
         score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,
-        predicted_tps=(summary["best_predicted_tps"] if chosen is tuner.best else summary["plain_predicted_tps"]) or None,
+        predicted_tps=predicted or None,
         acceptance=chosen_stats.acceptance_rate if chosen_stats.drafted else None,
         speedup=chosen_stats.tokens_per_s / check.plain.tokens_per_s if check.plain.tokens_per_s else None,
         tuning_share=tuning_share, study_name=name,
@@ -216,7 +238,7 @@ def choose_stored(best: Strategy, check: Check) -> tuple[Strategy, str]:
 
 
 def _check(
-    pool: ModelPool, target: LoadedModel, draft_name: str | None, space: SearchSpace, best: Strategy,
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, best: Strategy,
     prompts: list[list[int]], cfg: GenerationConfig, width: int,
 ) -> Check:
     """Plain decoding and the best strategy side by side, interleaved after a warm-up: their
@@ -224,7 +246,7 @@ def _check(
     plain = build_decoder(pool, target, PLAIN)
     tuned = None
     if best.speculates:  # a tuner that kept plain decoding has nothing else to measure
-        tuned = build_decoder(pool, target, best, draft_name if space.drafter == "draft-model" else None, verify_width=width)
+        tuned = build_decoder(pool, target, best, draft_name if best.drafter == "draft-model" else None, verify_width=width)
     check = Check(DecodeStats(), DecodeStats(), True)
     warm = GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
     for decoder in (plain, tuned):

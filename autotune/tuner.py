@@ -1,37 +1,54 @@
-"""The online tuner (SWIFT 4.1), ask-and-tell with Optuna.
+"""The online tuner (SWIFT 4.1), ask-and-tell with Optuna, safe to run on live traffic.
 
-Decoding starts with the space's untuned reference strategy. Once ``window`` tokens have been
-generated, before every decode round the tuner asks the study for a candidate (random search,
-and every ``beta``-th trial a Bayesian sampler: GPSampler, or TPE for conditional spaces),
-scores it - matchness on the last ``window`` tokens in one draft forward, turned into predicted
-tokens/s by the measured cost model - tells the study, and switches the decoder to it when it
-is predicted ``switch_margin`` faster than the incumbent scored on the same window (a score from
-one short window is noisy: the best of many is biased upwards, so the incumbent is re-scored on
-each window rather than kept at its luckiest score). Plain decoding is the incumbent of a
-self-drafter until a candidate beats it. Tuning stops after ``max_trials`` trials, ``patience`` trials without
-improvement, or once matchness reaches ``match_threshold``; decoding then goes on with the best.
+Plain decoding is a point of every space and the incumbent until a candidate beats it on
+measured time. While decoding goes on with the incumbent, before rounds the tuner:
 
-Tuning time is held below ``max_share`` of the time decoded so far: a round that would go over
-it runs no trial (so the share stays small however cheap a decode round is; with ``max_share``
-below 1 the number of trials depends on timings, hence only ``max_share=1`` is reproducible).
+1. **Scores candidates** (``trial``): asks the study (random search, and every ``beta``-th trial
+   a Bayesian sampler: GPSampler, or TPE for conditional spaces), predicts the candidate's
+   tokens/s - matchness on the last ``window`` tokens in one forward of its drafting model (or a
+   replay of prompt lookup on them), turned into time by the measured cost model, times the
+   strategy's correction (below) - and tells the study. A candidate predicted ``switch_margin``
+   faster than the incumbent *on the same window* joins the race.
+2. **Races** (``_new_window``): each time ``window`` new tokens have been decoded, the incumbent
+   and the racers are re-scored on the fresh window; a racer that no longer wins drops out. One
+   that won on ``race_windows`` further windows decodes for ``confirm_tokens`` tokens (a measured
+   trial) and replaces the incumbent only if it measured faster than the incumbent's recent
+   rounds; otherwise decoding goes back to the incumbent. A decision needs a prediction that
+   survived fresh data and a measurement, so one lucky window never switches.
+3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
+   correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
+   measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
+   every kept strategy.
+4. **Spends little**: tuning time stays below ``max_share`` of the time decoded so far, divided by
+   1 + the number of windows in a row the incumbent has led (re-scoring less once stable); after
+   ``stop_windows`` such windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials
+   it stops. Trials go to an in-memory study (Optuna's RDB writes would cost more than the
+   trials) and are copied to the persistent one at the end of each prompt (``flush``).
+
+The decoder switches strategies through ``Decoder.apply``: every drafter kind of the space is on
+the decoder (drafting or on standby, following the sequence), so a switch keeps all state.
+With ``max_share`` below 1 the trials depend on timings; decisions depend on measured time,
+which ``clock`` reads (tests pass a deterministic clock).
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 import torch
 
 from autotune.cost_model import CostModel
-from autotune.matchness import Match, matchness, usable_window
-from autotune.objective import Prediction, predict
+from autotune.matchness import LookupMatch, Match, lookup_match, matchness, usable_window
+from autotune.objective import Prediction, predict, predict_lookup, predict_plain
 from runtime.decoding import Decoder
-from runtime.drafters import ModelDrafter, SelfDrafter
+from runtime.drafters import ModelDrafter
 from runtime.kv_cache import KVCache
-from runtime.pipeline import tree_shape
 from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
 from search_spaces.spaces import SearchSpace, SpaceContext
@@ -41,20 +58,25 @@ from search_spaces.strategy import PLAIN, Strategy
 @dataclass(frozen=True)
 class TunerSettings:
     window: int = 32  # gamma: generated tokens scored per candidate (SWIFT B.2)
-    beta: int = 25  # every beta-th trial is proposed by the Bayesian sampler
+    beta: int = 10  # every beta-th trial is proposed by the Bayesian sampler
     max_trials: int = 1000  # S
-    patience: int = 300  # stop after this many trials without a better score
-    # stop once the best candidate's matchness reaches this (SWIFT's score threshold); None = never:
+    patience: int = 300  # stop after this many trials without a new racer
+    # stop once the incumbent's matchness reaches this (SWIFT's score threshold); None = never:
     # with a draft model matchness starts near 1, and draft length / threshold still need tuning
     match_threshold: float | None = None
-    max_share: float = 0.1  # tuning time stays below this share of the time decoded so far
-    # a candidate replaces the incumbent when predicted this much faster on the same window
+    max_share: float = 0.02  # tuning time stays below this share of the time decoded so far
+    # a candidate joins the race when predicted this much faster than the incumbent on the same window
     switch_margin: float = 0.05
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
+    race_windows: int = 1  # further windows a racer must win before its measured trial
+    confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
+    stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
+    min_trials: int = 24  # ... and at least this many trials ran
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("window", "beta", "max_trials", "patience", "trials_per_round"):
+        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "race_windows",
+                     "confirm_tokens", "stop_windows", "min_trials"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpaceError(f"tuner setting {name}={value!r} must be a positive integer")
@@ -67,30 +89,57 @@ class TunerSettings:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
 
+RECENT_ROUNDS = 48  # an incumbent's measured speed: its latest rounds (the context grows as it decodes)
+
+
 @dataclass
 class Kept:
-    """A strategy the tuner switched to: its prediction and what decoding with it measured."""
+    """A strategy that decoded: its prediction and what decoding with it measured."""
 
     strategy: Strategy
     trial: int
-    predicted_tps: float
+    predicted_tps: float  # corrected prediction when it was chosen
     matchness: float
     tokens: int = 0
     seconds: float = 0.0
+    raw_tps: float = 0.0  # its uncorrected prediction on the latest window it was scored on
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
 
     @property
     def measured_tps(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def recent_tps(self) -> float | None:
+        n, s = sum(t for t, _ in self.recent), sum(s for _, s in self.recent)
+        return n / s if s > 0 else None
+
+
+@dataclass
+class Racer:
+    """A candidate that beat the incumbent on a window; it must keep winning on fresh ones."""
+
+    strategy: Strategy
+    trial: int
+    score: float
+    raw: float
+    matchness: float
+    wins: int = 0  # fresh windows won since it joined
 
 
 @dataclass
 class TunerState:
     trials: int = 0
     since_improvement: int = 0
-    best_score: float = float("-inf")  # the incumbent's predicted tokens/s on the latest window
+    best_score: float = float("-inf")  # the incumbent's score (tokens/s) on the latest window
     best_match: float = 0.0  # and its matchness there
-    tuning_s: float = 0.0
+    tuning_s: float = 0.0  # all tuning time, the cost model's timing included
+    calibration_s: float = 0.0  # of which timing the cost model (once per study)
     skipped_for_budget: int = 0  # rounds that ran no trial because tuning was over its time share
+    windows: int = 0  # windows scored
+    stable: int = 0  # windows in a row on which no racer survived
+    measured_trials: int = 0
+    rejected: int = 0  # measured trials that lost to the incumbent
     done: bool = False
     stop_reason: str = ""
 
@@ -104,6 +153,49 @@ def bayesian_sampler(space: SearchSpace, seed: int) -> optuna.samplers.BaseSampl
     return optuna.samplers.GPSampler(seed=seed)
 
 
+Scorer = Callable[["OnlineTuner", Decoder, Strategy, list[int]], "tuple[Prediction, float] | None"]
+
+
+def _score_plain(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float]:
+    return predict_plain(tuner.cost), 0.0
+
+
+def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float] | None:
+    """A drafting model (a draft model, or the target skipping layers): matchness of its plan on
+    the window, in one forward (cached per plan and window)."""
+    drafter = decoder.drafter_of(strategy.drafter)
+    if not isinstance(drafter, ModelDrafter):
+        return None
+    window = tuner.settings.window
+    if not usable_window(len(tokens), drafter.cache.length, window):
+        drafter.sync()  # on standby: its cache lags by the tokens decoded without it
+        if not usable_window(len(tokens), drafter.cache.length, window):
+            return None
+    key = (strategy.drafter, strategy.layer_plan)
+    match = tuner.window_cache.get(key)
+    if match is None:
+        match = tuner.window_cache[key] = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, window)
+    return predict(strategy, match, tuner.cost), match.rate
+
+
+def _score_lookup(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float]:
+    key = ("prompt-lookup", None)
+    match = tuner.window_cache.get(key)
+    if match is None:
+        match = tuner.window_cache[key] = lookup_match(tokens, tuner.settings.window, tuner.ctx.max_draft_length)
+    assert isinstance(match, LookupMatch)
+    return predict_lookup(strategy, match, tuner.cost), match.rate
+
+
+# drafter kind -> how a strategy of that kind is scored on the current window
+SCORERS: dict[str, Scorer] = {
+    "none": _score_plain,
+    "draft-model": _score_model,
+    "layer-skip": _score_model,
+    "prompt-lookup": _score_lookup,
+}
+
+
 class OnlineTuner:
     def __init__(
         self,
@@ -112,188 +204,325 @@ class OnlineTuner:
         study: optuna.Study,
         cost: CostModel,
         settings: TunerSettings,
-        initial: Strategy,
+        initial: Strategy = PLAIN,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.space, self.ctx, self.study, self.cost, self.settings = space, ctx, study, cost, settings
+        """``study``: where trials are kept (``flush`` copies them there; an in-memory working
+        study takes them while decoding). ``initial``: a strategy to try first (e.g. a resumed
+        study's best): it is enqueued and must win its race like any candidate; decoding starts
+        plain."""
+        self.space, self.ctx, self.cost, self.settings, self.clock = space, ctx, cost, settings, clock
+        self.persistent = study
+        self._flushed = 0
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=settings.seed))
+        if study.trials:  # resumed: the sampler learns from the earlier trials too
+            self.study.add_trials([t for t in study.trials if t.state.is_finished()])
+            self._flushed = len(self.study.trials)
         self.random = optuna.samplers.RandomSampler(seed=settings.seed)
         self.bayes = bayesian_sampler(space, settings.seed)
         self.state = TunerState()
-        self.incumbent = Kept(initial, trial=-1, predicted_tps=0.0, matchness=0.0)
+        self.incumbent = Kept(PLAIN, trial=-1, predicted_tps=0.0, matchness=0.0)
         self.kept: list[Kept] = [self.incumbent]
-        self._incumbent_prediction: Prediction | None = None
-        self._last: tuple[int, float, float, float] | None = None  # tokens, draft_s, verify_s, clock
+        self.challenger: Kept | None = None  # a racer decoding for its measured trial
+        self.race: dict[Strategy, Racer] = {}
+        self.switches: list[int] = []  # trial numbers of the strategies that replaced the incumbent
+        self.rejected: list[Kept] = []  # measured trials that lost to the incumbent
+        self.corrections: dict[Strategy, float] = {}
+        self.window_cache: dict[Any, Match | LookupMatch] = {}  # (kind, plan) -> its match on the window
+        self._cache_at = -1  # sequence length the cached matches were scored at
+        self._window_at = 0  # sequence length of the latest window scored
+        self._last: tuple[int, int, int, float, float] | None = None  # tokens, forwards, rounds, verify_s, clock
         self._prompt_start = 0
         self._clock0: float | None = None  # first decode round seen: the time base of max_share
-        self._matches: dict[Any, Match] = {}  # layer plan -> matchness on the current window
-        self._matches_at = -1  # sequence length the cached matches were scored at
+        self._applied = False
+        self._budget_s = 0.0  # tuning time held against max_share (the cost model's one-time timing excluded)
+        if initial.speculates:
+            self.study.enqueue_trial(space.encode(initial, ctx))
 
     # ----------------------------------------------------------------- decode hooks
+    @property
+    def running(self) -> Kept:
+        return self.challenger or self.incumbent
+
     def start_prompt(self, prompt_len: int) -> None:
         self._prompt_start = prompt_len
+        self._window_at = prompt_len
         self._last = None
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
-        """Attribute the prompt's last round to the incumbent."""
+        """Attribute the prompt's last round to the running strategy; persist the new trials."""
         self._account(tokens, stats)
         self._last = None
+        t0 = self.clock()
+        self.flush()
+        self.state.tuning_s += self.clock() - t0
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if self._clock0 is None:
             self._clock0 = t0
-        if self.state.done or len(tokens) - self._prompt_start < self.settings.window:
-            return
-        if not self._within_budget(t0, 0.0):
-            self.state.skipped_for_budget += 1
-            return
+        if not self._applied:  # plain decoding until a candidate beats it on measured time
+            decoder.apply(self.incumbent.strategy)
+            self._applied = True
         try:
+            ch = self.challenger
+            if ch is not None and ch.tokens >= self.settings.confirm_tokens:
+                self._decide(decoder)
+            if self.state.done or self.challenger is not None or len(tokens) - self._prompt_start < self.settings.window:
+                return
+            if not self._within_budget(t0, 0.0):
+                self.state.skipped_for_budget += 1
+                return
+            if len(tokens) - self._window_at >= self.settings.window:
+                self._new_window(decoder, tokens)
             for _ in range(self.settings.trials_per_round):
-                if not self._trial(decoder, tokens) or not self._within_budget(t0, time.perf_counter() - t0):
+                if self.state.done or self.challenger is not None or not self._trial(decoder, tokens) \
+                        or not self._within_budget(t0, self.clock() - t0):
                     break
         finally:
-            spent = time.perf_counter() - t0
+            spent = self.clock() - t0
             self.state.tuning_s += spent
-            if self._last is not None:  # tuning time is not decode time of the incumbent
-                n, d, v, clock = self._last
-                self._last = (n, d, v, clock + spent)
+            # timing the cost model is a one-time cost: reported in the share, not held against trials
+            calibration = getattr(self.cost, "calibration_s", 0.0)
+            self.state.calibration_s, spent_calibrating = calibration, calibration - self.state.calibration_s
+            self._budget_s += spent - spent_calibrating
+            if self._last is not None:  # tuning time is not decode time of the running strategy
+                self._last = (*self._last[:4], self._last[4] + spent)
 
     def _within_budget(self, t0: float, spent_now: float) -> bool:
-        """Whether tuning so far (``spent_now`` of it in this round) is within ``max_share`` of the
-        time since decoding began (``max_share=1`` never stops a trial: tuning is part of that time)."""
+        """Whether tuning so far (``spent_now`` of it in this round) is within its share of the
+        time since decoding began: ``max_share``, divided by 1 + the windows in a row the
+        incumbent has led (``max_share=1`` never stops a trial: tuning is part of that time)."""
+        if self.settings.max_share >= 1.0:
+            return True
         assert self._clock0 is not None
         elapsed = t0 + spent_now - self._clock0
-        return self.state.tuning_s + spent_now <= self.settings.max_share * elapsed or self.settings.max_share >= 1.0
+        share = self.settings.max_share / (1 + self.state.stable)
+        return self._budget_s + spent_now <= share * elapsed
 
     def _account(self, tokens: list[int], stats: DecodeStats) -> None:
-        """Attribute the round just decoded to the incumbent and refresh the cost model."""
-        now = time.perf_counter()
+        """Attribute the round just decoded to the running strategy and refresh the cost model
+        with its target step (a verify at the fixed width when it drafted, else a plain step)."""
+        now = self.clock()
         if self._last is not None:
-            n, d, v, clock = self._last
-            self.incumbent.tokens += len(tokens) - n
-            self.incumbent.seconds += now - clock
-            if stats.verify_s > v:  # a verify at the fixed width, or a plain single-token step
-                observe = self.cost.observe_verify if self.incumbent.strategy.speculates else self.cost.observe_plain
-                observe(stats.verify_s - v)
-            if self._incumbent_prediction is not None:
-                self.cost.observe_draft(self._incumbent_prediction.draft_seconds, stats.draft_s - d)
-        self._last = (len(tokens), stats.draft_s, stats.verify_s, now)
+            n, forwards, rounds, verify, clock = self._last
+            new, secs = len(tokens) - n, now - clock
+            run = self.running
+            run.tokens += new
+            run.seconds += secs
+            if new > 0:
+                run.recent.append((new, secs))
+            steps = stats.target_forwards - forwards
+            if steps > 0 and stats.verify_s > verify:
+                observe = self.cost.observe_verify if stats.draft_rounds > rounds else self.cost.observe_plain
+                observe((stats.verify_s - verify) / steps)
+        self._last = (len(tokens), stats.target_forwards, stats.draft_rounds, stats.verify_s, now)
+
+    # ----------------------------------------------------------------- scoring
+    def score(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[float, float, float] | None:
+        """-> (corrected tokens/s, raw predicted tokens/s, matchness) of ``strategy`` on the
+        latest window, or None when its drafter cannot score there."""
+        if self._cache_at != len(tokens):
+            self.window_cache, self._cache_at = {}, len(tokens)
+        got = SCORERS[strategy.drafter](self, decoder, strategy, tokens)
+        if got is None:
+            return None
+        prediction, rate = got
+        raw = prediction.tokens_per_s
+        return raw * self.correction(strategy), raw, rate
+
+    def correction(self, strategy: Strategy) -> float:
+        """Measured / predicted tokens/s of ``strategy``; for one never measured, the geometric
+        mean over measured strategies of its drafter kind (1 when there are none)."""
+        if strategy in self.corrections:
+            return self.corrections[strategy]
+        same = [c for s, c in self.corrections.items() if s.drafter == strategy.drafter]
+        return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
+
+    def _correct(self, kept: Kept, tps: float | None, weight: float) -> None:
+        if tps is None or kept.raw_tps <= 0 or not kept.strategy.speculates:
+            return  # plain decoding's prediction is a measurement already
+        ratio = tps / kept.raw_tps
+        old = self.corrections.get(kept.strategy)
+        self.corrections[kept.strategy] = ratio if old is None else (1 - weight) * old + weight * ratio
+
+    def _incumbent_score(self, decoder: Decoder, tokens: list[int]) -> float | None:
+        """The incumbent's score on the latest window: plain decoding's measured speed (its
+        prediction before any plain round), a speculating incumbent's corrected prediction."""
+        inc = self.incumbent
+        if not inc.strategy.speculates:
+            score = inc.recent_tps or predict_plain(self.cost).tokens_per_s
+            inc.predicted_tps = inc.predicted_tps or score
+            self.state.best_score, self.state.best_match = score, 0.0
+            return score
+        got = self.score(decoder, inc.strategy, tokens)
+        if got is None:
+            return None
+        score, inc.raw_tps, rate = got
+        self.state.best_score, self.state.best_match = score, rate
+        return score
+
+    # ----------------------------------------------------------------- racing
+    def _new_window(self, decoder: Decoder, tokens: list[int]) -> None:
+        """Fresh tokens: correct the incumbent from its measured stretch, re-score it and the
+        racers; start a measured trial for the best racer that kept winning."""
+        state = self.state
+        inc = self.incumbent
+        self._correct(inc, inc.recent_tps, 0.3)
+        incumbent = self._incumbent_score(decoder, tokens)
+        if incumbent is None:
+            return
+        self._window_at = len(tokens)
+        state.windows += 1
+        survivors = []
+        for racer in list(self.race.values()):
+            got = self.score(decoder, racer.strategy, tokens)
+            if got is None or got[0] <= incumbent * (1.0 + self.settings.switch_margin):
+                del self.race[racer.strategy]
+                continue
+            racer.score, racer.raw, racer.matchness = got
+            racer.wins += 1
+            survivors.append(racer)
+        ready = [r for r in survivors if r.wins >= self.settings.race_windows]
+        if ready:
+            self._measure(decoder, max(ready, key=lambda r: r.score))
+        state.stable = 0 if survivors else state.stable + 1
+        if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
+            state.done = True
+            state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
+        self._maybe_stop()
+
+    def _measure(self, decoder: Decoder, racer: Racer) -> None:
+        del self.race[racer.strategy]
+        self.challenger = Kept(racer.strategy, racer.trial, racer.score, racer.matchness, raw_tps=racer.raw)
+        self.state.measured_trials += 1
+        decoder.apply(racer.strategy)
+
+    def _decide(self, decoder: Decoder) -> None:
+        """End a measured trial: the challenger replaces the incumbent if it decoded faster than
+        the incumbent's recent rounds; otherwise decoding goes back to the incumbent."""
+        ch, inc = self.challenger, self.incumbent
+        assert ch is not None
+        self.challenger = None
+        self._correct(ch, ch.measured_tps, 1.0)
+        bar = inc.recent_tps or inc.predicted_tps
+        if (ch.measured_tps or 0.0) > bar:
+            self.incumbent = ch
+            self.kept.append(ch)
+            self.switches.append(ch.trial)
+            self.state.since_improvement = 0
+            self.state.stable = 0
+        else:
+            self.state.rejected += 1
+            self.rejected.append(ch)
+            decoder.apply(inc.strategy)
 
     # ----------------------------------------------------------------- one trial
     def _trial(self, decoder: Decoder, tokens: list[int]) -> bool:
-        drafter = decoder.drafter
-        if not isinstance(drafter, ModelDrafter) or not usable_window(len(tokens), drafter.cache.length, self.settings.window):
-            return False
         state = self.state
-        if state.trials == 0 and isinstance(drafter, SelfDrafter) and self.incumbent.strategy.speculates:
-            self._start_from_plain(decoder)
+        incumbent = self._incumbent_score(decoder, tokens)
+        if incumbent is None:
+            return False
         use_bayes = (state.trials + 1) % self.settings.beta == 0
         self.study.sampler = self.bayes if use_bayes else self.random
         with torch.enable_grad():  # GP fitting needs autograd
             trial = self.study.ask()
+        enqueued = "fixed_params" in self.study._storage.get_trial_system_attrs(trial._trial_id)
         try:
             strategy = self.space.define(trial, self.ctx)
-            match = self._match(drafter, strategy, tokens)
-            prediction = predict(strategy, match, self.cost)
-            incumbent = self._incumbent_score(drafter, tokens)
+            got = self.score(decoder, strategy, tokens)
         except BaseException:  # Ctrl-C included: the trial is closed as failed, not left running
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        score = prediction.tokens_per_s
-        trial.set_user_attr("matchness", match.rate)
-        trial.set_user_attr("tokens_per_round", prediction.tokens_per_round)
+        if got is None:  # its drafter cannot score this window (yet)
+            self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return False
+        score, raw, rate = got
+        trial.set_user_attr("sampler", "enqueued" if enqueued else ("bayes" if use_bayes else "random"))
+        trial.set_user_attr("drafter", strategy.drafter)
+        trial.set_user_attr("matchness", rate)
+        trial.set_user_attr("raw_tps", raw)
         self.study.tell(trial, score)
         state.trials += 1
         state.since_improvement += 1
-        if strategy == self.incumbent.strategy:
-            self.incumbent.trial = trial.number
-        elif score > incumbent * (1.0 + self.settings.switch_margin):
+        running = {self.incumbent.strategy} | ({self.challenger.strategy} if self.challenger else set())
+        if strategy not in running and score > incumbent * (1.0 + self.settings.switch_margin):
             state.since_improvement = 0
-            self._switch(decoder, strategy, trial.number, prediction, match)
+            racer = self.race.get(strategy)
+            if racer is None or score > racer.score:
+                self.race[strategy] = Racer(strategy, trial.number, score, raw, rate, racer.wins if racer else 0)
+            if len(self.race) > 4:  # keep the best few
+                worst = min(self.race.values(), key=lambda r: r.score)
+                del self.race[worst.strategy]
         self._maybe_stop()
         return not state.done
 
-    def _match(self, drafter: ModelDrafter, strategy: Strategy, tokens: list[int]) -> Match:
-        """Matchness depends on the layer plan only: one draft forward per plan and window."""
-        if self._matches_at != len(tokens):
-            self._matches, self._matches_at = {}, len(tokens)
-        plan = strategy.layer_plan
-        if plan not in self._matches:
-            self._matches[plan] = matchness(drafter.model, drafter.cache, plan, tokens, self.settings.window)
-        return self._matches[plan]
-
-    def _incumbent_score(self, drafter: ModelDrafter, tokens: list[int]) -> float:
-        """The incumbent's predicted tokens/s on the same window as the candidate: scores from one
-        short window are noisy, and comparing against a stale lucky score would keep a poor
-        incumbent (the best of many noisy scores is biased upwards)."""
-        inc = self.incumbent
-        if not inc.strategy.speculates:
-            score = 1.0 / self.cost.plain_step_s()
-        else:
-            match = self._match(drafter, inc.strategy, tokens)
-            prediction = predict(inc.strategy, match, self.cost)
-            self._incumbent_prediction, score = prediction, prediction.tokens_per_s
-            inc.predicted_tps, inc.matchness = score, match.rate
-            self.state.best_match = match.rate
-        self.state.best_score = score
-        return score
-
-    def _start_from_plain(self, decoder: Decoder) -> None:
-        """Plain decoding is a point of every space: a self-drafter scores candidates on the target's
-        own cache, so decoding can go on without speculating until a candidate is predicted faster."""
-        plain_s = self.cost.plain_step_s()
-        self._incumbent_prediction = None  # plain rounds say nothing about draft or verify cost
-        apply_strategy(decoder, PLAIN)
-        self.incumbent = Kept(PLAIN, trial=-1, predicted_tps=1.0 / plain_s, matchness=0.0)
-        self.kept.append(self.incumbent)
-
-    def _switch(self, decoder: Decoder, strategy: Strategy, number: int, prediction: Prediction, match: Match) -> None:
-        self._incumbent_prediction = prediction
-        apply_strategy(decoder, strategy)
-        self.incumbent = Kept(strategy, number, prediction.tokens_per_s, match.rate)
-        self.kept.append(self.incumbent)
-        self.state.best_score, self.state.best_match = prediction.tokens_per_s, match.rate
-
     def _maybe_stop(self) -> None:
         s, cfg = self.state, self.settings
+        if s.done:
+            return
         if s.trials >= cfg.max_trials:
             s.done, s.stop_reason = True, f"{cfg.max_trials} trials"
         elif s.since_improvement >= cfg.patience:
-            s.done, s.stop_reason = True, f"no improvement in {cfg.patience} trials"
-        elif cfg.match_threshold is not None and s.best_match >= cfg.match_threshold:
+            s.done, s.stop_reason = True, f"no new racer in {cfg.patience} trials"
+        elif cfg.match_threshold is not None and self.incumbent.strategy.speculates and s.best_match >= cfg.match_threshold:
             s.done, s.stop_reason = True, f"matchness {s.best_match:.2f} >= {cfg.match_threshold}"
 
+    # ----------------------------------------------------------------- results
     @property
     def best(self) -> Strategy:
         return self.incumbent.strategy
 
+    def predicted_tps(self, strategy: Strategy) -> float | None:
+        """The latest corrected prediction of a kept strategy (plain: its measured speed)."""
+        for k in reversed(self.kept):
+            if k.strategy == strategy:
+                if not strategy.speculates:
+                    return k.recent_tps or k.predicted_tps
+                return k.raw_tps * self.correction(strategy) if k.raw_tps else k.predicted_tps
+        return None
+
+    def flush(self) -> None:
+        """Copy the trials finished since the last flush into the persistent study."""
+        done = [t for t in self.study.get_trials(deepcopy=False)[self._flushed:]]
+        finished = []
+        for t in done:
+            if not t.state.is_finished():
+                break
+            finished.append(t)
+        if finished and self.persistent is not self.study:
+            self.persistent.add_trials(finished)
+        self._flushed += len(finished)
+
     def summary(self) -> dict[str, Any]:
         plain_s = self.cost.plain_step_s()
+        kept = []
+        for k in self.kept:
+            predicted = self.predicted_tps(k.strategy) if k is self.incumbent else k.predicted_tps
+            measured = k.measured_tps
+            kept.append({
+                "trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": predicted,
+                "measured_tps": measured, "matchness": k.matchness, "tokens": k.tokens,
+                "ratio": predicted / measured if predicted and measured else None,
+            })
         return {
             "plain_predicted_tps": 1.0 / plain_s if plain_s > 0 else None,
             "trials": self.state.trials,
             "stop_reason": self.state.stop_reason or "prompts ran out",
-            "best_predicted_tps": self.incumbent.predicted_tps,
+            "best_predicted_tps": self.predicted_tps(self.incumbent.strategy) or 0.0,
             "best_matchness": self.incumbent.matchness,
             "tuning_s": self.state.tuning_s,
+            "calibration_s": self.state.calibration_s,
             "rounds_over_budget": self.state.skipped_for_budget,
-            "kept": [
+            "windows": self.state.windows,
+            "measured_trials": self.state.measured_trials,
+            "rejected": [
                 {"trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": k.predicted_tps,
-                 "measured_tps": k.measured_tps, "matchness": k.matchness, "tokens": k.tokens}
-                for k in self.kept
+                 "measured_tps": k.measured_tps}
+                for k in self.rejected
             ],
+            "switches": list(self.switches),
+            "kept": kept,
         }
-
-
-def apply_strategy(decoder: Decoder, strategy: Strategy) -> None:
-    """Make ``decoder`` draft with ``strategy`` from the next round on. Every strategy of one
-    space uses the same drafting model, so the drafter is reconfigured in place (cache kept).
-    ``PLAIN`` stops drafting; the drafter is kept for scoring and later strategies."""
-    drafter = decoder.drafter
-    if not strategy.speculates:
-        decoder.draft_length = 0
-        return
-    if not isinstance(drafter, ModelDrafter):
-        raise SpaceError(f"online tuning needs a model drafter; cannot switch to drafter '{strategy.drafter}'")
-    drafter.reconfigure(tree_shape(strategy), strategy.layer_plan, strategy.calibrate)
-    decoder.draft_length = strategy.draft_length

@@ -19,6 +19,7 @@ from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
 from runtime.tree import CompiledTree, compile_tree, tree_tables
 from runtime.tree_verify import accept_tree, accept_tree_greedy, read_tree_result
+from search_spaces.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,59 @@ class GenerationResult:
 
 
 class Decoder:
-    """Greedy or sampled decoding of one target, optionally speculating with ``drafter``."""
+    """Greedy or sampled decoding of one target, optionally speculating with ``drafter``.
+
+    ``standby`` holds further drafters by strategy drafter kind (``strategy.drafter``): they are
+    not drafting, but they follow the sequence (each round's tokens reach them too), so
+    ``apply(strategy)`` can switch to any of them between rounds without losing state - how the
+    online tuner moves between plain decoding, a draft model, prompt lookup and self-drafting."""
 
     def __init__(
-        self, target: CausalLM, drafter: Drafter | None = None, draft_length: int = 0, verify_width: int = 0
+        self, target: CausalLM, drafter: Drafter | None = None, draft_length: int = 0, verify_width: int = 0,
+        kind: str | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
+        self.kind = kind if drafter is not None else None  # the active drafter's kind (None: unnamed / plain)
+        self.standby: dict[str, Drafter] = {}
         self.draft_length = draft_length if drafter is not None else 0
         # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
         self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
+
+    def drafter_of(self, kind: str) -> Drafter | None:
+        """The drafter of this kind, drafting or on standby (None when the decoder has none)."""
+        return self.drafter if kind == self.kind else self.standby.get(kind)
+
+    def apply(self, strategy: Strategy) -> None:
+        """Decode with ``strategy`` from the next round on: switch to its drafter kind (plain
+        decoding: no drafter) and reconfigure it. Every drafter kind the strategy may need must be
+        on the decoder already (``build_decoder(..., standby=...)``); the verify width is fixed."""
+        kind = strategy.drafter if strategy.speculates else None
+        if kind is not None and kind != self.kind and kind not in self.standby:
+            have = sorted({*self.standby, *([self.kind] if self.kind else [])})
+            raise RuntimeUserError(
+                f"this decoder has no '{kind}' drafter (it has: {', '.join(have) or 'none'}); build it with that "
+                "drafter on standby"
+            )
+        if strategy.speculates and strategy.max_tree_nodes + 1 > self.verify_width:
+            raise RuntimeUserError(
+                f"a strategy with {strategy.max_tree_nodes} draft nodes does not fit this decoder's verify width "
+                f"{self.verify_width}"
+            )
+        if kind != self.kind:
+            if self.drafter is not None:
+                if self.kind is None:
+                    raise RuntimeUserError("the decoder's drafter has no kind; it cannot be put on standby")
+                self.standby[self.kind] = self.drafter
+            self.drafter = self.standby.pop(kind) if kind is not None else None
+            self.kind = kind
+        if self.drafter is not None:
+            self.drafter.reconfigure(strategy)
+        self.draft_length = strategy.draft_length if strategy.speculates else 0
+
+    def _following(self) -> list[Drafter]:
+        """Every drafter of this decoder, the drafting one first."""
+        return ([self.drafter] if self.drafter is not None else []) + list(self.standby.values())
 
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
         check_fits(prompt_len, config.max_new_tokens, self.target.dims.max_positions)
@@ -93,8 +137,8 @@ class Decoder:
             out = [self.prefill(prompt, cache, config.sampling, gen)]
             stats.prefill_s = time.perf_counter() - start
             stats.target_forwards = 1
-            if self.drafter is not None:
-                self.drafter.begin(prompt + out, capacity, cache)
+            for drafter in self._following():
+                drafter.begin(prompt + out, capacity, cache)
         stop = after_round is not None and after_round(out)
         while not stop and len(out) < config.max_new_tokens and out[-1] not in eos:
             if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
@@ -130,6 +174,8 @@ class Decoder:
         new_tokens, path = new_tokens[:end], path[:end]
         if self.drafter is not None:
             self.drafter.observe(len(path), new_tokens, path)
+        for waiting in self.standby.values():  # drafters on standby follow the sequence
+            waiting.observe(0, new_tokens, [])
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

@@ -13,7 +13,7 @@ from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
-from search_spaces.strategy import tree_node_bound
+from search_spaces.strategy import Strategy, tree_node_bound
 
 
 @dataclass
@@ -42,6 +42,11 @@ class Drafter(Protocol):
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None: ...
 
+    def reconfigure(self, strategy: Strategy) -> None:
+        """Draft as ``strategy`` says from the next round on, keeping what was learned of the
+        sequence (caches, n-gram index): how a decoder switches strategies while decoding."""
+        ...
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -69,6 +74,12 @@ class TreeShape:
 
     def max_nodes(self) -> int:
         return tree_node_bound(self.widths, self.dynamic)
+
+
+def tree_shape(s: Strategy) -> TreeShape:
+    """The draft tree a strategy asks for (a chain: width 1 at every depth)."""
+    widths = s.tree_widths or (1,) * s.draft_length
+    return TreeShape(widths=widths, dynamic=s.dynamic_widths, threshold=s.confidence_threshold)
 
 
 @dataclass
@@ -107,11 +118,23 @@ class ModelDrafter:
         self.round = _Round()
         self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
 
-    def reconfigure(self, shape: TreeShape | None, plan: LayerPlan | None, calibrate: bool) -> None:
-        """Draft differently from the next round on, keeping the cache (online tuning)."""
-        self.shape = shape
-        self.plan = None if plan is None or plan.is_identity else plan
-        self.calibrate = calibrate and self.plan is not None
+    def reconfigure(self, strategy: Strategy) -> None:
+        """Draft with ``strategy``'s tree, layer plan and calibration from the next round on,
+        keeping the cache (online tuning)."""
+        self.shape = tree_shape(strategy)
+        self.plan = None if strategy.layer_plan is None or strategy.layer_plan.is_identity else strategy.layer_plan
+        self.calibrate = strategy.calibrate and self.plan is not None
+
+    def sync(self) -> None:
+        """Run the committed tokens the draft has not seen, all but the last (whose logits start
+        the next draft), exactly: the cache then follows the sequence, as a tuner scoring this
+        draft on the latest tokens needs while decoding goes on without it (plain decoding)."""
+        if len(self.pending) < 2:
+            return
+        ids = torch.tensor(self.pending[:-1], dtype=torch.long, device=self.model.device)
+        with torch.inference_mode():
+            self.model(ids, self.cache, logits_for=slice(-1, None))
+        self.pending = self.pending[-1:]
 
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         extra = self.shape.max_nodes() if self.shape else 0
@@ -267,6 +290,7 @@ class ModelDrafter:
             kept.append(rnd.slot[node])
         self.cache.commit(rnd.base, kept)
         self.pending = list(new_tokens[len(kept):])
+        self.round = _Round()  # a drafter kept on standby next round observes without drafting
 
 
 class SelfDrafter(ModelDrafter):
@@ -279,8 +303,12 @@ class SelfDrafter(ModelDrafter):
     def __init__(self, model: CausalLM, plan: LayerPlan, shape: TreeShape | None = None) -> None:
         super().__init__(model, model.dims.vocab, shape, plan, calibrate=False)
 
-    def reconfigure(self, shape: TreeShape | None, plan: LayerPlan | None, calibrate: bool) -> None:
-        super().reconfigure(shape, plan, calibrate=False)  # the verify pass already restores exact K/V
+    def reconfigure(self, strategy: Strategy) -> None:
+        super().reconfigure(strategy)
+        self.calibrate = False  # the verify pass already restores exact K/V
+
+    def sync(self) -> None:
+        """Nothing to catch up: the target's cache is the draft's."""
 
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         if target_cache is None:

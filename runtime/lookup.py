@@ -70,6 +70,9 @@ class PromptLookupDrafter:
                 return start
         return None
 
+    def reconfigure(self, strategy: object) -> None:
+        """Nothing to change: a lookup draft's only setting is its length, which the decoder caps."""
+
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         """Append the tokens committed this round (accepted drafts + the target's next token)."""
         self._extend(new_tokens)

@@ -1,13 +1,13 @@
 """Build decoders from a Strategy: load (and cache) models, wrap them, pick the drafter."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime.decoding import Decoder
-from runtime.drafters import Drafter, ModelDrafter, SelfDrafter, TreeShape
+from runtime.drafters import Drafter, ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
@@ -103,11 +103,6 @@ def _self_drafter(
     return SelfDrafter(lm, s.layer_plan, shape=tree_shape(s))
 
 
-def tree_shape(s: Strategy) -> TreeShape:
-    widths = s.tree_widths or (1,) * s.draft_length
-    return TreeShape(widths=widths, dynamic=s.dynamic_widths, threshold=s.confidence_threshold)
-
-
 # draft precision -> (dtype the weights are loaded in, linear backend that runs them)
 PRECISION_LOAD_DTYPE: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32,
@@ -171,21 +166,33 @@ DRAFTERS: dict[str, DrafterFactory] = {
 
 def build_decoder(
     pool: ModelPool, target: LoadedModel, strategy: Strategy, draft_name: str | None = None,
-    verify_width: int | None = None,
+    verify_width: int | None = None, standby: Sequence[Strategy] = (),
 ) -> Decoder:
     """A decoder for ``strategy``. ``verify_width`` fixes the padded verify width (the tuner keeps
-    one width, hence one packed copy of the target, for every strategy it tries)."""
+    one width, hence one packed copy of the target, for every strategy it tries). ``standby``:
+    strategies of other drafter kinds whose drafters the decoder keeps following the sequence,
+    so that ``Decoder.apply`` can switch to them while decoding (the online tuner's joint space)."""
     lm = CausalLM(target.hf_model)
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
-    if drafter is None:  # plain decoding: single-token steps on the unpacked weights
+    if drafter is None and not standby:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(_compiled(lm, pool))
-    width = verify_width or strategy.max_tree_nodes + 1
-    if width < strategy.max_tree_nodes + 1:
-        raise RuntimeUserError(f"verify width {width} is too small for a strategy with {strategy.max_tree_nodes} draft nodes")
+    nodes = max(s.max_tree_nodes for s in (strategy, *standby))
+    width = verify_width or nodes + 1
+    if width < nodes + 1:
+        raise RuntimeUserError(f"verify width {width} is too small for a strategy with {nodes} draft nodes")
+    # drafters run on the unpacked wrapper (a self-drafter's single-row steps; it shares the cache)
+    first = strategy if drafter is not None else next(s for s in standby if s.speculates)
+    active = drafter if drafter is not None else DRAFTERS[first.drafter](pool, target, draft_name, first, lm)
+    waiting = {s.drafter: s for s in standby if s.speculates and s.drafter != first.drafter}
+    others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
     backend = verify_backend(pool.device)
     if backend != "dense" and lm.dtype == torch.float32 and not pool.compile:
         lm = pool.target_for_width(target, backend, width)
-    return Decoder(_compiled(lm, pool), drafter, strategy.draft_length, verify_width=width)
+    decoder = Decoder(_compiled(lm, pool), active, first.draft_length, verify_width=width, kind=first.drafter)
+    decoder.standby.update(others)
+    if drafter is None:  # plain decoding first, the others on standby
+        decoder.apply(strategy)
+    return decoder
 
 
 def _compiled(lm: CausalLM, pool: ModelPool) -> CausalLM:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from search_spaces.errors import SpaceError, StrategyError
 from search_spaces.layer_plan import LayerPlan, easyspec_plan, uniform_skip_plan
-from search_spaces.strategy import MAX_TREE_NODES, SWIFT_DYNAMIC_WIDTHS, Strategy
+from search_spaces.strategy import MAX_TREE_NODES, PLAIN, SWIFT_DYNAMIC_WIDTHS, Strategy, tree_node_bound
 
 if TYPE_CHECKING:  # optuna is imported only when a space is used: `import search_spaces` stays light
     import optuna
@@ -67,10 +67,14 @@ class SpaceContext:
     base: Strategy = Strategy()
     skip_ratio: float = 0.45
     max_draft_length: int = 12
+    draft_layers: int | None = None  # `auto`: layers of the draft model (None: no draft model)
 
     def __post_init__(self) -> None:
         if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise SpaceError(f"n_layers={self.n_layers!r} must be a positive integer")
+        d = self.draft_layers
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise SpaceError(f"draft_layers={d!r} must be a positive integer or None")
         if not isinstance(self.base, Strategy):
             raise SpaceError(f"base={self.base!r} must be a Strategy")
         r = self.skip_ratio
@@ -110,12 +114,18 @@ class SearchSpace(ABC):
     def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
         """Parameters of the untuned reference strategy."""
 
+    def kinds(self, ctx: SpaceContext) -> tuple[str, ...]:
+        """The drafter kinds of this space's strategies (in this context)."""
+        return (self.drafter,)
+
     def encode(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
         """The parameters ``define`` needs to reproduce ``strategy`` exactly; ``SpaceError`` when
         ``strategy`` is not a point of this space (in this context). A draft model's identity
         layer plan counts as no plan."""
-        if strategy.drafter != self.drafter:
-            raise SpaceError(f"space '{self.name}' holds drafter '{self.drafter}' strategies, not '{strategy.drafter}'")
+        if strategy.drafter not in self.kinds(ctx):
+            raise SpaceError(
+                f"space '{self.name}' holds {' / '.join(self.kinds(ctx))} strategies, not drafter '{strategy.drafter}'"
+            )
         plan = strategy.layer_plan
         if strategy.drafter == "draft-model" and plan is not None and plan.is_identity:
             strategy = replace(strategy, layer_plan=None)
@@ -376,8 +386,122 @@ class LookupSpace(SearchSpace):
         return {"draft_length": _reference_drafting(ctx)["draft_length"]}
 
 
+class _Prefixed:
+    """A trial whose parameter names get a prefix: one branch of the joint space reuses a named
+    space's parameters without sharing names (or distributions) with the other branches."""
+
+    def __init__(self, trial: optuna.trial.BaseTrial, prefix: str) -> None:
+        self._trial, self._prefix = trial, prefix
+
+    def suggest_int(self, name: str, *args: Any, **kwargs: Any) -> int:
+        return self._trial.suggest_int(self._prefix + name, *args, **kwargs)
+
+    def suggest_float(self, name: str, *args: Any, **kwargs: Any) -> float:
+        return self._trial.suggest_float(self._prefix + name, *args, **kwargs)
+
+    def suggest_categorical(self, name: str, choices: Any) -> Any:
+        return self._trial.suggest_categorical(self._prefix + name, choices)
+
+
+def _prefixed(params: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {prefix + k: v for k, v in params.items()}
+
+
+MAX_HEAD_WIDTHS = (4, 2)  # `auto` trees: children per node at depth 1 and 2 (then a chain)
+
+
+class AutoSpace(SearchSpace):
+    """One joint space over the drafter kind and everything that applies to it (the default).
+
+    - ``drafter`` (categorical): ``none`` (plain decoding), ``prompt-lookup``, and the context's
+      drafting model: ``draft-model`` when the study has a draft model (``ctx.draft_layers``),
+      otherwise ``layer-skip`` (the target skipping sub-layers, SWIFT).
+    - ``draft-model`` (``dm_*``): EasySpec layer-parallel groups (``dm_lp_size``, ``dm_first_size``),
+      bonus calibration (``dm_calibrate``, only with groups), the tree widths of the first two
+      depths (``dm_w1`` 1..4, ``dm_w2`` 1..2; deeper: a chain), ``dm_draft_length``,
+      ``dm_confidence_threshold``. A tree never has more nodes than ``max_draft_length``: the
+      length is cut to fit, so every strategy shares one verify width.
+    - ``layer-skip`` (``ls_*``): the ``layer-skip`` space's parameters (fixed skip ratio).
+    - ``prompt-lookup`` (``lk_*``): ``lk_draft_length``.
+
+    Parameters are conditional (each branch's exist only for its kind) and prefixed per branch,
+    so TPE's multivariate group mode models each kind's subspace on its own. The named spaces
+    stay as subsets of it. The reference point is plain decoding: the tuner's incumbent until a
+    candidate beats it on measured time.
+    """
+
+    name, drafter, conditional = "auto", "auto", True
+
+    def kinds(self, ctx: SpaceContext) -> tuple[str, ...]:
+        if ctx.draft_layers:
+            return ("none", "prompt-lookup", "draft-model")
+        return ("none", "prompt-lookup", "layer-skip") if ctx.n_layers >= 3 else ("none", "prompt-lookup")
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        kind = trial.suggest_categorical("drafter", list(self.kinds(ctx)))
+        if kind == "none":
+            return PLAIN
+        if kind == "prompt-lookup":
+            return SPACES["lookup"].define(_Prefixed(trial, "lk_"), ctx)
+        if kind == "layer-skip":
+            placeholder = LayerPlan(n_layers=ctx.n_layers, skip_attn=(ctx.n_layers // 2,))  # define() replaces it
+            base = replace(ctx.base, drafter="layer-skip", layer_plan=placeholder, calibrate=True,
+                           tree_widths=None, dynamic_widths=None)
+            return SPACES["layer-skip"].define(_Prefixed(trial, "ls_"), replace(ctx, base=base))
+        return self._draft_model(_Prefixed(trial, "dm_"), ctx)
+
+    def _draft_model(self, trial: _Prefixed, ctx: SpaceContext) -> Strategy:
+        assert ctx.draft_layers is not None
+        lp_size = trial.suggest_int("lp_size", 1, MAX_LP_SIZE)
+        first_size = trial.suggest_int("first_size", 1, lp_size) if lp_size > 1 else 1
+        groups = lp_groups(ctx.draft_layers, lp_size, first_size)
+        calibrate = trial.suggest_categorical("calibrate", [True, False]) if groups else True
+        plan = LayerPlan(n_layers=ctx.draft_layers, groups=groups) if groups else None
+        head = (trial.suggest_int("w1", 1, MAX_HEAD_WIDTHS[0]), trial.suggest_int("w2", 1, MAX_HEAD_WIDTHS[1]))
+        length = _suggest_length(trial, ctx)
+        # the node budget (one verify width for the whole space): a shorter tree, then narrower heads
+        def fits(h: tuple[int, int], n: int) -> bool:
+            return tree_node_bound(_fit_widths(h, n), None) <= ctx.max_draft_length
+
+        while length > MIN_DRAFT_LENGTH and not fits(head, length):
+            length -= 1
+        while not fits(head, length):
+            head = (head[0], head[1] - 1) if head[1] > 1 else (head[0] - 1, 1)
+        widths = _fit_widths(head, length)
+        return replace(
+            ctx.base, drafter="draft-model", draft_length=length, confidence_threshold=_suggest_threshold(trial),
+            tree_widths=None if all(w == 1 for w in widths) else widths, dynamic_widths=None,
+            layer_plan=plan, calibrate=calibrate,
+        )
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        kind = strategy.drafter
+        if kind == "none":
+            return {"drafter": "none"}
+        if kind == "prompt-lookup":
+            return {"drafter": kind, **_prefixed(SPACES["lookup"]._params(strategy, ctx), "lk_")}
+        if kind == "layer-skip":
+            return {"drafter": kind, **_prefixed(SPACES["layer-skip"]._params(strategy, ctx), "ls_")}
+        if ctx.draft_layers is None:
+            raise SpaceError(f"space '{self.name}' has no draft model in this context")
+        groups = () if strategy.layer_plan is None else strategy.layer_plan.groups
+        sizes = EasySpecSpace()._sizes(groups, replace(ctx, n_layers=ctx.draft_layers))
+        widths = strategy.tree_widths or (1,) * strategy.draft_length
+        head = (tuple(widths) + (1, 1))[:2]
+        return {"drafter": kind, **_prefixed({
+            **sizes, "calibrate": strategy.calibrate, "w1": head[0], "w2": head[1], **_drafting_params(strategy),
+        }, "dm_")}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        return {"drafter": "none"}
+
+    def max_nodes(self, ctx: SpaceContext) -> int:
+        """The most draft nodes of any strategy of the space: its verify width is this + 1."""
+        return ctx.max_draft_length
+
+
 SPACES: dict[str, SearchSpace] = {
-    s.name: s for s in (LayerSkipSpace(), LayerSkipFreeSpace(), EasySpecSpace(), DraftSpace(), LookupSpace())
+    s.name: s for s in (AutoSpace(), LayerSkipSpace(), LayerSkipFreeSpace(), EasySpecSpace(), DraftSpace(), LookupSpace())
 }
 
 

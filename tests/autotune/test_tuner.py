@@ -7,11 +7,15 @@ import torch
 
 from autotune.cost_model import FixedCostModel, MeasuredCostModel
 from autotune.matchness import TOP_K, Match, matchness, score_logits
-from autotune.objective import predict, replay
-from autotune.tuner import OnlineTuner, TunerSettings, apply_strategy
+from autotune.matchness import lookup_match
+from autotune.objective import predict, predict_lookup, replay
+from autotune.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
-from runtime.drafters import ModelDrafter, SelfDrafter
-from runtime.pipeline import tree_shape
+from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
+from runtime.errors import RuntimeUserError
+from runtime.lookup import PromptLookupDrafter
+from runtime.sampling import SamplingParams
+from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
 from search_spaces.errors import SpaceError
 from search_spaces.layer_plan import LayerPlan, easyspec_plan, uniform_skip_plan
@@ -146,25 +150,46 @@ def test_measured_cost_model_times_real_forwards(target, draft):
 
 
 # ---------------------------------------------------------------------------------- the tuner
-def self_spec_run(target: CausalLM, seed: int, n_new: int = 48, cost: FixedCostModel | None = None):
+class SimClock:
+    """Deterministic time for tuner tests: what the decoded rounds would cost under the same
+    FixedCostModel prices (a target step ``verify`` s, each drafted token ``draft`` s); tuning is
+    free. Measured decisions are then reproducible, and can be made to disagree with predictions."""
+
+    def __init__(self, verify: float = 1.0, draft: float = 0.2) -> None:
+        self.verify, self.draft, self.stats = verify, draft, DecodeStats()
+
+    def __call__(self) -> float:
+        return self.stats.target_forwards * self.verify + self.stats.drafted * self.draft
+
+    def hook(self, tuner):
+        def before_round(dec, tokens, cache, stats):
+            self.stats = stats
+            tuner.before_round(dec, tokens, cache, stats)
+        return before_round
+
+
+def self_spec_run(target: CausalLM, seed: int, n_new: int = 64, cost: FixedCostModel | None = None,
+                  clock: SimClock | None = None, **changes):
     space = get_space("layer-skip")
     ctx = SpaceContext(n_layers=N_LAYERS, base=Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(N_LAYERS, 0.3)),
                        skip_ratio=0.3, max_draft_length=4)
     initial = space.uniform(ctx)
-    shape = tree_shape(initial)
-    decoder = Decoder(target, SelfDrafter(target, initial.layer_plan, shape), initial.draft_length, verify_width=5)
+    decoder = Decoder(target, SelfDrafter(target, initial.layer_plan, tree_shape(initial)), initial.draft_length,
+                      verify_width=5, kind="layer-skip")
     study = optuna.create_study(direction="maximize")
-    settings = TunerSettings(window=8, beta=5, max_trials=30, patience=30, seed=seed, max_share=1.0, trials_per_round=2)
+    settings = TunerSettings(**{**dict(window=8, beta=5, max_trials=30, patience=30, seed=seed, max_share=1.0,
+                                       trials_per_round=2, confirm_tokens=8, min_trials=30), **changes})
     cost = cost or FixedCostModel(draft_full_s=0.2, verify_const_s=1.0)
-    tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
+    clock = clock or SimClock()
+    tuner = OnlineTuner(space, ctx, study, cost, settings, initial, clock=clock)
     tuner.start_prompt(len(PROMPT))
-    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=n_new), before_round=tuner.before_round)
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=n_new), before_round=clock.hook(tuner))
     tuner.end_prompt(PROMPT + out.tokens, out.stats)
     return out, tuner, study
 
 
 def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
-    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=48)).tokens
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=64)).tokens
     a_out, a, a_study = self_spec_run(target, seed=7)
     b_out, b, b_study = self_spec_run(target, seed=7)
     assert a.state.trials > 10
@@ -173,7 +198,9 @@ def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
     assert a.best == b.best and len(a.kept) == len(b.kept)
     # strategies switched between rounds never change the output
     assert a_out.tokens == b_out.tokens == plain
-    assert any(k.strategy.speculates and k.trial >= 0 for k in a.kept)  # it switched to a tuned candidate
+    assert a.kept[0].strategy == PLAIN and a.kept[0].tokens > 0  # plain decoding ran first
+    assert any(k.strategy.speculates and k.trial >= 0 for k in a.kept)  # then it switched to a tuned candidate
+    assert a.switches and a.state.measured_trials >= len(a.switches)
     assert a_out.stats.drafted > 0
     c_out, c, c_study = self_spec_run(target, seed=8)
     assert [t.params for t in c_study.trials] != [t.params for t in a_study.trials]
@@ -183,60 +210,153 @@ def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
 def test_tuner_stops_after_max_trials_and_records_kept(target):
     _, tuner, study = self_spec_run(target, seed=1)
     assert tuner.state.trials == 30 and tuner.state.done and tuner.state.stop_reason == "30 trials"
+    assert len(study.trials) >= 30  # flushed from the working study at the end of the prompt
     summary = tuner.summary()
     assert summary["trials"] == 30 and summary["plain_predicted_tps"] == pytest.approx(1 / 1.0)
     assert all(k["predicted_tps"] >= 0 for k in summary["kept"])
     assert any(k["measured_tps"] for k in summary["kept"])
+    assert {t.user_attrs["sampler"] for t in study.trials if t.state.is_finished() and t.user_attrs} <= {"random", "bayes", "enqueued"}
 
 
 def test_tuner_decodes_plainly_while_no_candidate_beats_plain(target):
-    """Drafting priced far above a target step: plain decoding (a point of every space) stays the incumbent."""
+    """Drafting priced far above a target step: plain decoding (a point of every space) is the
+    incumbent from the first round and nothing is ever drafted."""
     plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=48)).tokens
-    out, tuner, _ = self_spec_run(target, seed=3, cost=FixedCostModel(draft_full_s=10.0, verify_const_s=1.0))
+    out, tuner, _ = self_spec_run(target, seed=3, n_new=48, cost=FixedCostModel(draft_full_s=10.0, verify_const_s=1.0),
+                                  clock=SimClock(draft=10.0))
     assert out.tokens == plain
-    assert tuner.best == PLAIN and tuner.state.trials > 0
-    assert tuner.kept[0].strategy.speculates and tuner.kept[0].tokens > 0  # the uniform start decoded first
-    assert tuner.kept[-1].tokens > 0  # then plain decoding did
+    assert tuner.best == PLAIN and tuner.state.trials > 0 and len(tuner.kept) == 1
+    assert out.stats.drafted == 0 and tuner.state.measured_trials == 0
 
 
-def test_switching_a_draft_model_mid_sequence_is_lossless(target, draft):
-    """Reconfigure a model drafter's plan, calibration and length between rounds (what the tuner does)."""
-    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=40)).tokens
+def test_a_challenger_that_measures_slower_goes_back_to_the_incumbent(target):
+    """Predicted fast (drafting priced at 0.2 s) but measured slow (the clock charges 3 s per
+    drafted token): the measured trial loses, decoding returns to plain, and the strategy's
+    correction learns the gap, so its predictions drop to what was measured."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=64)).tokens
+    out, tuner, _ = self_spec_run(target, seed=7, clock=SimClock(draft=3.0))
+    assert out.tokens == plain
+    assert tuner.state.measured_trials >= 1 and tuner.rejected and tuner.best == PLAIN
+    lost = tuner.rejected[0]
+    assert lost.measured_tps < tuner.kept[0].recent_tps
+    last = tuner.rejected[-1]
+    assert tuner.correction(last.strategy) == pytest.approx(last.measured_tps / last.raw_tps)
+    assert tuner.correction(last.strategy) < 1.0
+    assert tuner.summary()["rejected"][0]["measured_tps"] == pytest.approx(lost.measured_tps)
+
+
+def test_a_candidate_must_keep_winning_on_fresh_windows(target):
+    """With an impossible margin no candidate races: plain decoding stays, nothing is measured,
+    and the incumbent's score is its measured speed on the latest window."""
+    cost = FixedCostModel(draft_full_s=1.0, verify_const_s=1.0)  # speculation can never look 2x plain
+    out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, cost=cost, clock=SimClock(draft=1.0))
+    assert tuner.state.trials > 0 and tuner.best == PLAIN and len(tuner.kept) == 1
+    assert tuner.state.measured_trials == 0 and out.stats.drafted == 0
+    assert tuner.state.best_score == pytest.approx(tuner.incumbent.recent_tps)
+
+
+def test_a_stable_incumbent_stops_tuning(target):
+    """Once the incumbent led on stop_windows windows in a row (and min_trials ran), tuning stops."""
+    _, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, stop_windows=2, min_trials=2, max_trials=1000,
+                                patience=1000, cost=FixedCostModel(draft_full_s=1.0, verify_const_s=1.0))
+    assert tuner.state.done and "led on 2 windows" in tuner.state.stop_reason
+
+
+def joint_decoder(target, draft, width=7):
+    """A decoder holding every drafter kind of the joint space: plain decoding drafting nothing,
+    a draft model and prompt lookup on standby (what `autotune study` builds)."""
+    first = Strategy(draft_length=4, confidence_threshold=0.0)
+    decoder = Decoder(target, ModelDrafter(draft, target.dims.vocab, tree_shape(first)), 4, verify_width=width,
+                      kind="draft-model")
+    decoder.standby["prompt-lookup"] = PromptLookupDrafter()
+    decoder.apply(PLAIN)
+    return decoder
+
+
+def test_apply_switches_kinds_mid_sequence_losslessly(target, draft):
+    """Decoder.apply between rounds: plain, a draft model chain / layer-parallel plan / tree, and
+    prompt lookup, in turn; drafters on standby follow the sequence, so every switch drafts from
+    the right context and the output equals plain decoding."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=48)).tokens
     strategies = [
+        PLAIN,
         Strategy(draft_length=4, confidence_threshold=0.0),
+        Strategy(drafter="prompt-lookup", draft_length=3),
         Strategy(draft_length=3, layer_plan=easyspec_plan(N_LAYERS, 3), calibrate=True),
+        PLAIN,
         Strategy(draft_length=2, layer_plan=easyspec_plan(N_LAYERS, 2), calibrate=False),
-        Strategy(draft_length=4, tree_widths=(2, 1, 1, 1)),
+        Strategy(draft_length=3, tree_widths=(2, 2, 1)),
     ]
-    first = strategies[0]
-    drafter = ModelDrafter(draft, target.dims.vocab, tree_shape(first), first.layer_plan, first.calibrate)
-    decoder = Decoder(target, drafter, first.draft_length, verify_width=6)
+    decoder = joint_decoder(target, draft, width=11)
     rounds = iter(range(10**6))
+    kinds = []
 
     def hook(dec, tokens, cache, stats):
-        apply_strategy(dec, strategies[next(rounds) % len(strategies)])
+        dec.apply(strategies[next(rounds) % len(strategies)])
+        kinds.append(dec.kind)
 
-    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40), before_round=hook)
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=48), before_round=hook)
     assert out.tokens == plain
-    assert out.stats.drafted > 0 and next(rounds) > len(strategies)
+    assert out.stats.drafted > 0 and {None, "draft-model", "prompt-lookup"} <= set(kinds)
+    # a draft model on standby catches up exactly: after sync its cache equals a fresh prefill
+    drafter = decoder.drafter_of("draft-model")
+    decoder.apply(PLAIN)
+    decoder.generate(PROMPT, GenerationConfig(max_new_tokens=20))
+    full = PROMPT + plain[:20]
+    drafter.sync()
+    assert drafter.cache.length == len(full) - 1 and drafter.pending == full[-1:]
+    ref = prefilled(draft, full, len(full) - 1)
+    n = len(full) - 1
+    assert torch.allclose(drafter.cache.all_keys[:, :, :n], ref.all_keys[:, :, :n], atol=1e-5)
+    assert torch.allclose(drafter.cache.all_values[:, :, :n], ref.all_values[:, :, :n], atol=1e-5)
 
 
-def test_a_candidate_must_beat_the_incumbent_on_the_same_window(target):
-    """With an impossible margin nothing replaces the starting strategy; the incumbent's score is
-    its prediction on the latest window."""
-    space = get_space("layer-skip")
-    ctx = SpaceContext(n_layers=N_LAYERS, base=Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(N_LAYERS, 0.3)),
-                       skip_ratio=0.3, max_draft_length=4)
-    initial = space.uniform(ctx)
-    decoder = Decoder(target, ModelDrafter(target, target.dims.vocab, tree_shape(initial), initial.layer_plan, False),
-                      initial.draft_length, verify_width=5)
-    settings = TunerSettings(window=8, max_trials=12, patience=12, max_share=1.0, switch_margin=0.99)
+def test_apply_refuses_what_the_decoder_cannot_do(target, draft):
+    decoder = joint_decoder(target, draft)
+    with pytest.raises(RuntimeUserError, match="no 'layer-skip' drafter"):
+        decoder.apply(Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(N_LAYERS, 0.3)))
+    with pytest.raises(RuntimeUserError, match="verify width"):
+        decoder.apply(Strategy(draft_length=4, tree_widths=(4, 2, 1, 1)))
+
+
+def test_joint_space_tunes_across_kinds_losslessly(target, draft):
+    """The `auto` space on tiny models: trials cover plain, lookup and the draft model (trees and
+    layer-parallel plans included), output equals plain decoding, and a draft model ends up
+    decoding (its drafting is priced cheap and the clock agrees)."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
+    space = get_space("auto")
+    ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
+    decoder = joint_decoder(target, draft)
+    clock = SimClock(verify=1.0, draft=0.05)
+    settings = TunerSettings(window=8, beta=4, max_trials=60, patience=60, max_share=1.0, trials_per_round=4,
+                             confirm_tokens=8, min_trials=60)
     tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
-                        FixedCostModel(draft_full_s=0.2, verify_const_s=1.0), settings, initial)
+                        FixedCostModel(draft_full_s=0.05, verify_const_s=1.0), settings, clock=clock)
     tuner.start_prompt(len(PROMPT))
-    decoder.generate(PROMPT, GenerationConfig(max_new_tokens=40), before_round=tuner.before_round)
-    assert tuner.state.trials > 0 and tuner.best == initial and len(tuner.kept) == 1
-    assert tuner.state.best_score == pytest.approx(tuner.incumbent.predicted_tps) and tuner.state.best_score > 0
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=96), before_round=clock.hook(tuner))
+    tuner.end_prompt(PROMPT + out.tokens, out.stats)
+    assert out.tokens == plain
+    trials = [t for t in tuner.study.trials if t.state.is_finished() and t.params]
+    assert {t.params["drafter"] for t in trials} == {"none", "prompt-lookup", "draft-model"}
+    assert {t.user_attrs["sampler"] for t in trials} >= {"random", "bayes"}
+    assert tuner.best.drafter == "draft-model" and out.stats.drafted > 0
+
+
+def test_lookup_replay_matches_a_brute_force_count():
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2]
+    window, k = 10, 4
+    got = lookup_match(tokens, window, k)
+    n = len(tokens)
+    for j, i in enumerate(range(n - window, n)):
+        lookup = PromptLookupDrafter()
+        lookup.begin(tokens[:i], 0)
+        guess = lookup.propose(k, SamplingParams(), torch.Generator()).tokens.tolist()
+        accepted = next((a for a in range(len(guess)) if i + a >= n or guess[a] != tokens[i + a]), len(guess))
+        assert (got.proposed[j], got.accepted[j]) == (len(guess), accepted)
+    assert 0 < got.rate <= 1
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=2.0)
+    p = predict_lookup(Strategy(drafter="prompt-lookup", draft_length=2), got, cost)
+    assert p.draft_seconds == 0 and 1.0 <= p.tokens_per_round <= 3.0
 
 
 def test_settings_are_validated():

@@ -25,6 +25,7 @@ contexts = st.builds(
     base=st.sampled_from(BASES),
     skip_ratio=st.floats(0.0, 0.95),
     max_draft_length=st.integers(2, 25),
+    draft_layers=st.one_of(st.none(), st.integers(1, 40)),
 )
 
 
@@ -37,6 +38,9 @@ def fixed(space, params, ctx):
 def check_invariants(name, s, ctx):
     """Everything a space promises about its strategies."""
     assert Strategy.from_json(s.to_json()) == s  # valid
+    if name == "auto":
+        check_auto(s, ctx)
+        return
     assert 2 <= s.draft_length <= ctx.max_draft_length
     assert s.tree_widths is None or len(s.tree_widths) == s.draft_length
     assert s.draft_precision == ctx.base.draft_precision and s.draft_vocab == ctx.base.draft_vocab
@@ -62,6 +66,45 @@ def check_invariants(name, s, ctx):
         assert s.dynamic_widths == ctx.base.dynamic_widths
     if 0.0 < s.confidence_threshold and name != "lookup":
         assert s.confidence_threshold <= 0.9 + 1e-9
+
+
+def check_auto(s, ctx):
+    """The joint space: a kind of this context, each branch within its named space's ranges."""
+    assert s.drafter in get_space("auto").kinds(ctx)
+    if s == PLAIN:
+        return
+    assert 2 <= s.draft_length <= ctx.max_draft_length
+    assert s.dynamic_widths is None and s.max_tree_nodes <= ctx.max_draft_length
+    if s.drafter == "draft-model":
+        assert ctx.draft_layers is not None and s.draft_precision == ctx.base.draft_precision
+        assert s.tree_widths is None or (len(s.tree_widths) == s.draft_length and set(s.tree_widths[2:]) <= {1})
+        assert s.layer_plan is None or (s.layer_plan.n_layers == ctx.draft_layers and s.layer_plan.groups)
+    elif s.drafter == "layer-skip":
+        assert ctx.draft_layers is None and s.tree_widths is None
+        assert len(s.layer_plan.skip_attn + s.layer_plan.skip_mlp) == LayerSkipSpace.skip_count(ctx)
+    else:
+        assert s.drafter == "prompt-lookup" and s.layer_plan is None and s.tree_widths is None
+
+
+def test_auto_offers_plain_lookup_and_the_drafting_model():
+    space = get_space("auto")
+    assert space.kinds(SpaceContext(n_layers=12, draft_layers=6)) == ("none", "prompt-lookup", "draft-model")
+    assert space.kinds(SpaceContext(n_layers=12)) == ("none", "prompt-lookup", "layer-skip")
+    assert uniform_strategy("auto", SpaceContext(n_layers=12)) == PLAIN  # plain decoding: the start
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    ctx = SpaceContext(n_layers=12, draft_layers=6, max_draft_length=12)
+    seen = set()
+    for _ in range(200):
+        trial = study.ask()
+        s = get_space("auto").define(trial, ctx)
+        seen.add((s.drafter, s.tree_widths is not None, s.layer_plan is not None))
+        assert set(trial.params) <= {"drafter"} | {p for p in trial.params if p[:3] == {"draft-model": "dm_",
+                                     "prompt-lookup": "lk_", "none": "---"}[s.drafter]}
+        study.tell(trial, 1.0)
+    assert {("none", False, False), ("prompt-lookup", False, False), ("draft-model", True, True),
+            ("draft-model", False, False)} <= seen  # plain, lookup, trees, chains, layer-parallel plans
+    with pytest.raises(SpaceError, match="holds"):
+        get_space("auto").encode(Strategy(drafter="layer-skip", layer_plan=uniform_skip_plan(12, 0.4)), ctx)
 
 
 @pytest.mark.parametrize("name", list(SPACES))
@@ -137,7 +180,7 @@ def test_score_ties_skip_lower_sub_layers_first():
 
 
 def test_unknown_space_names_the_known_ones():
-    with pytest.raises(SpaceError, match="known spaces: layer-skip, layer-skip-free, easyspec, draft, lookup"):
+    with pytest.raises(SpaceError, match="known spaces: auto, layer-skip, layer-skip-free, easyspec, draft, lookup"):
         get_space("swift")
     with pytest.raises(ValueError):
         uniform_strategy("nope", SpaceContext(n_layers=4))
