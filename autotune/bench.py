@@ -164,11 +164,13 @@ def _uniform_strategy(ctx: BenchContext) -> Strategy:
 
 
 def _tuned_strategy(ctx: BenchContext) -> Strategy:
-    """The stored best for (model, draft, task, this hardware); ``tuned:task=T`` reads another task's."""
+    """The stored best for (model, draft, task, this hardware); ``tuned:task=T`` reads another task's,
+    ``tuned:db=FILE`` another SQLite store's (two studies' picks side by side in one run)."""
     from autotune.resolve import BEST, resolve_strategy, strategy_key
 
     key = strategy_key(ctx.target, ctx.draft_name, ctx.options.get("task", ctx.task), ctx.pool.device)
-    return resolve_strategy(BEST, ctx.storage, key, PLAIN)
+    db = ctx.options.get("db")
+    return resolve_strategy(BEST, f"sqlite:///{Path(db).resolve()}" if db else ctx.storage, key, PLAIN)
 
 
 # our runtime's methods: name -> the strategy it decodes with
@@ -197,7 +199,14 @@ METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
     "nocal": lambda rest: ("cal", "off"),
     "cal": lambda rest: ("cal", "on"),
     "task=": lambda rest: ("task", _nonempty(rest)),
+    "db=": lambda rest: ("db", _existing_file(rest)),
 }
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise ValueError(f"no file {text}")
+    return text
 
 
 def _nonempty(text: str) -> str:
@@ -227,7 +236,8 @@ def parse_method(text: str) -> MethodSpec:
         except ValueError:
             raise CliError(
                 f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
-                "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), e.g. easyspec:lp2:nocal"
+                "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), db=FILE (tuned, read from that SQLite "
+                "store, which must exist), e.g. easyspec:lp2:nocal, tuned:db=auto.db"
             ) from None
     return MethodSpec(text, name, tuple(parsed))
 

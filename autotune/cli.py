@@ -362,8 +362,10 @@ def _check_tuned_stored(args: argparse.Namespace, methods: list[Any]) -> None:
 
     for spec in methods:
         if spec.name == "tuned":
-            task = dict(spec.options).get("task", args.task)
-            check_strategy_spec(BEST, args.storage, args.model, args.draft, task, args.device)
+            options = dict(spec.options)
+            db = options.get("db")
+            storage = f"sqlite:///{Path(db).resolve()}" if db else args.storage
+            check_strategy_spec(BEST, storage, args.model, args.draft, options.get("task", args.task), args.device)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

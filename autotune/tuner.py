@@ -103,6 +103,7 @@ class Kept:
     tokens: int = 0
     seconds: float = 0.0
     raw_tps: float = 0.0  # its uncorrected prediction on the latest window it was scored on
+    raws: list[float] = field(default_factory=list)  # uncorrected predictions on the windows it raced / decoded
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
 
     @property
@@ -125,6 +126,7 @@ class Racer:
     raw: float
     matchness: float
     wins: int = 0  # fresh windows won since it joined
+    raws: list[float] = field(default_factory=list)  # its uncorrected predictions, one per window
 
 
 @dataclass
@@ -237,8 +239,11 @@ class OnlineTuner:
         self._clock0: float | None = None  # first decode round seen: the time base of max_share
         self._applied = False
         self._budget_s = 0.0  # tuning time held against max_share (the cost model's one-time timing excluded)
-        if initial.speculates:
-            self.study.enqueue_trial(space.encode(initial, ctx))
+        # tried first: a resumed study's best, then the space's seeds (one good point per drafter kind)
+        seeds = [initial] + [s for s in space.seeds(ctx) if s != initial]
+        for seed in seeds:
+            if seed.speculates:
+                self.study.enqueue_trial(space.encode(seed, ctx))
 
     # ----------------------------------------------------------------- decode hooks
     @property
@@ -341,12 +346,16 @@ class OnlineTuner:
         same = [c for s, c in self.corrections.items() if s.drafter == strategy.drafter]
         return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
 
-    def _correct(self, kept: Kept, tps: float | None, weight: float) -> None:
-        if tps is None or kept.raw_tps <= 0 or not kept.strategy.speculates:
+    def _correct(self, kept: Kept) -> None:
+        """The strategy's correction: its measured tokens/s over everything it decoded, divided by
+        the mean of its uncorrected predictions on the windows it raced and decoded (a ratio of
+        averages: one window's prediction swings with the text, e.g. prompt lookup on copied code)."""
+        measured = kept.measured_tps
+        if measured is None or not kept.raws or not kept.strategy.speculates:
             return  # plain decoding's prediction is a measurement already
-        ratio = tps / kept.raw_tps
-        old = self.corrections.get(kept.strategy)
-        self.corrections[kept.strategy] = ratio if old is None else (1 - weight) * old + weight * ratio
+        mean = sum(kept.raws) / len(kept.raws)
+        if mean > 0:
+            self.corrections[kept.strategy] = measured / mean
 
     def _incumbent_score(self, decoder: Decoder, tokens: list[int]) -> float | None:
         """The incumbent's score on the latest window: plain decoding's measured speed (its
@@ -370,10 +379,12 @@ class OnlineTuner:
         racers; start a measured trial for the best racer that kept winning."""
         state = self.state
         inc = self.incumbent
-        self._correct(inc, inc.recent_tps, 0.3)
+        self._correct(inc)
         incumbent = self._incumbent_score(decoder, tokens)
         if incumbent is None:
             return
+        if inc.strategy.speculates:
+            inc.raws.append(inc.raw_tps)
         self._window_at = len(tokens)
         state.windows += 1
         survivors = []
@@ -383,6 +394,7 @@ class OnlineTuner:
                 del self.race[racer.strategy]
                 continue
             racer.score, racer.raw, racer.matchness = got
+            racer.raws.append(racer.raw)
             racer.wins += 1
             survivors.append(racer)
         ready = [r for r in survivors if r.wins >= self.settings.race_windows]
@@ -396,7 +408,8 @@ class OnlineTuner:
 
     def _measure(self, decoder: Decoder, racer: Racer) -> None:
         del self.race[racer.strategy]
-        self.challenger = Kept(racer.strategy, racer.trial, racer.score, racer.matchness, raw_tps=racer.raw)
+        self.challenger = Kept(racer.strategy, racer.trial, racer.score, racer.matchness, raw_tps=racer.raw,
+                               raws=list(racer.raws))
         self.state.measured_trials += 1
         decoder.apply(racer.strategy)
 
@@ -406,7 +419,7 @@ class OnlineTuner:
         ch, inc = self.challenger, self.incumbent
         assert ch is not None
         self.challenger = None
-        self._correct(ch, ch.measured_tps, 1.0)
+        self._correct(ch)
         bar = inc.recent_tps or inc.predicted_tps
         if (ch.measured_tps or 0.0) > bar:
             self.incumbent = ch
@@ -451,8 +464,10 @@ class OnlineTuner:
         if strategy not in running and score > incumbent * (1.0 + self.settings.switch_margin):
             state.since_improvement = 0
             racer = self.race.get(strategy)
-            if racer is None or score > racer.score:
-                self.race[strategy] = Racer(strategy, trial.number, score, raw, rate, racer.wins if racer else 0)
+            if racer is None:
+                self.race[strategy] = Racer(strategy, trial.number, score, raw, rate, raws=[raw])
+            elif score > racer.score:
+                racer.trial, racer.score, racer.raw, racer.matchness = trial.number, score, raw, rate
             if len(self.race) > 4:  # keep the best few
                 worst = min(self.race.values(), key=lambda r: r.score)
                 del self.race[worst.strategy]
@@ -476,12 +491,15 @@ class OnlineTuner:
         return self.incumbent.strategy
 
     def predicted_tps(self, strategy: Strategy) -> float | None:
-        """The latest corrected prediction of a kept strategy (plain: its measured speed)."""
+        """A kept strategy's corrected prediction for the task: the mean of its uncorrected
+        predictions on the windows it decoded, times its correction (plain: its measured speed)."""
         for k in reversed(self.kept):
             if k.strategy == strategy:
                 if not strategy.speculates:
                     return k.recent_tps or k.predicted_tps
-                return k.raw_tps * self.correction(strategy) if k.raw_tps else k.predicted_tps
+                if not k.raws:
+                    return k.predicted_tps
+                return sum(k.raws) / len(k.raws) * self.correction(strategy)
         return None
 
     def flush(self) -> None:

@@ -141,8 +141,12 @@ class SearchSpace(ABC):
         return {name: params[name] for name in trial.params}
 
     def uniform(self, ctx: SpaceContext) -> Strategy:
-        """The untuned reference strategy this space starts from (the tuner's first trial)."""
+        """The untuned reference strategy of this space."""
         return self._replay(self._reference_params(ctx), ctx)[1]
+
+    def seeds(self, ctx: SpaceContext) -> list[Strategy]:
+        """Points the online tuner scores first (before random and Bayesian proposals)."""
+        return [self.uniform(ctx)]
 
     def _replay(self, params: dict[str, Any], ctx: SpaceContext) -> tuple[optuna.trial.FixedTrial, Strategy]:
         from optuna.trial import FixedTrial
@@ -495,13 +499,87 @@ class AutoSpace(SearchSpace):
     def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
         return {"drafter": "none"}
 
+    def seeds(self, ctx: SpaceContext) -> list[Strategy]:
+        """One reference point per drafter kind, so every kind is scored early: the draft model's
+        chain at the base's length and threshold and EasySpec's default plan (or SWIFT's uniform
+        skip without a draft model), and prompt lookup at the base's length."""
+        kinds = self.kinds(ctx)
+        length = min(max(ctx.base.draft_length, MIN_DRAFT_LENGTH), ctx.max_draft_length)
+        threshold = _reference_drafting(ctx)["confidence_threshold"]
+        params = [{"drafter": "prompt-lookup", "lk_draft_length": length}]
+        if "draft-model" in kinds:
+            assert ctx.draft_layers is not None
+            drafting = {"dm_w1": 1, "dm_w2": 1, "dm_draft_length": length, "dm_confidence_threshold": threshold}
+            easy = EasySpecSpace()._sizes(easyspec_plan(ctx.draft_layers, MAX_LP_SIZE).groups,
+                                          replace(ctx, n_layers=ctx.draft_layers))
+            params = [
+                {"drafter": "draft-model", "dm_lp_size": 1, **drafting},
+                {"drafter": "draft-model", **_prefixed(easy, "dm_"), "dm_calibrate": True, **drafting},
+            ] + params
+        elif "layer-skip" in kinds:
+            base = replace(ctx.base, drafter="layer-skip", layer_plan=uniform_skip_plan(ctx.n_layers, ctx.skip_ratio),
+                           tree_widths=None, dynamic_widths=None)
+            ref = LayerSkipSpace()._reference_params(replace(ctx, base=base))
+            params = [{"drafter": "layer-skip", **_prefixed(ref, "ls_")}] + params
+        return [self._replay(p, ctx)[1] for p in params]
+
     def max_nodes(self, ctx: SpaceContext) -> int:
         """The most draft nodes of any strategy of the space: its verify width is this + 1."""
         return ctx.max_draft_length
 
 
+CHAIN_LENGTHS = (2, 4, 6, 8, 10, 12)
+CHAIN_THRESHOLDS = (0.0, 0.3, 0.6)
+
+
+class ChainSpace(SearchSpace):
+    """A small grid (a few dozen points, enumerable): plain decoding, the draft model's chain or
+    prompt lookup, at ``CHAIN_LENGTHS`` (capped by ``max_draft_length``) x ``CHAIN_THRESHOLDS``
+    (the threshold only for the draft model). What the online tuner's pick is checked against by
+    running every point (``points``)."""
+
+    name, drafter, conditional = "chain", "chain", True
+
+    def kinds(self, ctx: SpaceContext) -> tuple[str, ...]:
+        return ("none", "draft-model", "prompt-lookup") if ctx.draft_layers else ("none", "prompt-lookup")
+
+    def define(self, trial: optuna.trial.BaseTrial, ctx: SpaceContext) -> Strategy:
+        kind = trial.suggest_categorical("drafter", list(self.kinds(ctx)))
+        if kind == "none":
+            return PLAIN
+        lengths = [n for n in CHAIN_LENGTHS if n <= ctx.max_draft_length] or [MIN_DRAFT_LENGTH]
+        if kind == "prompt-lookup":
+            return replace(ctx.base, drafter=kind, draft_length=trial.suggest_categorical("lk_draft_length", lengths),
+                           tree_widths=None, dynamic_widths=None, layer_plan=None)
+        return replace(ctx.base, drafter=kind, draft_length=trial.suggest_categorical("dm_draft_length", lengths),
+                       confidence_threshold=trial.suggest_categorical("dm_confidence_threshold", list(CHAIN_THRESHOLDS)),
+                       tree_widths=None, dynamic_widths=None, layer_plan=None)
+
+    def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
+        if strategy.drafter == "none":
+            return {"drafter": "none"}
+        if strategy.drafter == "prompt-lookup":
+            return {"drafter": strategy.drafter, "lk_draft_length": strategy.draft_length}
+        return {"drafter": strategy.drafter, "dm_draft_length": strategy.draft_length,
+                "dm_confidence_threshold": strategy.confidence_threshold}
+
+    def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
+        return {"drafter": "none"}
+
+    def points(self, ctx: SpaceContext) -> list[Strategy]:
+        """Every strategy of the space."""
+        lengths = [n for n in CHAIN_LENGTHS if n <= ctx.max_draft_length] or [MIN_DRAFT_LENGTH]
+        params = [{"drafter": "none"}]
+        if "draft-model" in self.kinds(ctx):
+            params += [{"drafter": "draft-model", "dm_draft_length": n, "dm_confidence_threshold": t}
+                       for n in lengths for t in CHAIN_THRESHOLDS]
+        params += [{"drafter": "prompt-lookup", "lk_draft_length": n} for n in lengths]
+        return [self._replay(p, ctx)[1] for p in params]
+
+
 SPACES: dict[str, SearchSpace] = {
-    s.name: s for s in (AutoSpace(), LayerSkipSpace(), LayerSkipFreeSpace(), EasySpecSpace(), DraftSpace(), LookupSpace())
+    s.name: s for s in (AutoSpace(), LayerSkipSpace(), LayerSkipFreeSpace(), EasySpecSpace(), DraftSpace(), LookupSpace(),
+                        ChainSpace())
 }
 
 

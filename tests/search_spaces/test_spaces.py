@@ -41,6 +41,10 @@ def check_invariants(name, s, ctx):
     if name == "auto":
         check_auto(s, ctx)
         return
+    if name == "chain":
+        assert s == PLAIN or (s.tree_widths is None and s.layer_plan is None and s.draft_length in (2, 4, 6, 8, 10, 12))
+        assert s in get_space("chain").points(ctx)
+        return
     assert 2 <= s.draft_length <= ctx.max_draft_length
     assert s.tree_widths is None or len(s.tree_widths) == s.draft_length
     assert s.draft_precision == ctx.base.draft_precision and s.draft_vocab == ctx.base.draft_vocab
@@ -180,7 +184,7 @@ def test_score_ties_skip_lower_sub_layers_first():
 
 
 def test_unknown_space_names_the_known_ones():
-    with pytest.raises(SpaceError, match="known spaces: auto, layer-skip, layer-skip-free, easyspec, draft, lookup"):
+    with pytest.raises(SpaceError, match="known spaces: auto, layer-skip, layer-skip-free, easyspec, draft, lookup, chain"):
         get_space("swift")
     with pytest.raises(ValueError):
         uniform_strategy("nope", SpaceContext(n_layers=4))
@@ -242,3 +246,15 @@ def test_tpe_sampler_drives_conditional_spaces(name, multivariate):
         check_invariants(name, s, ctx)
         assert fixed(space, space.encode(s, ctx), ctx) == s
         study.tell(trial, float(s.draft_length))
+
+
+def test_chain_space_points_are_a_small_enumerable_grid():
+    space = get_space("chain")
+    ctx = SpaceContext(n_layers=28, draft_layers=24, max_draft_length=12)
+    points = space.points(ctx)
+    assert len(points) == len(set(points)) == 1 + 6 * 3 + 6  # plain, chain length x threshold, lookup length
+    assert points[0] == PLAIN and {s.drafter for s in points} == {"none", "draft-model", "prompt-lookup"}
+    for s in points:
+        assert fixed(space, space.encode(s, ctx), ctx) == s
+    no_draft = space.points(SpaceContext(n_layers=28, max_draft_length=6))
+    assert [s.drafter for s in no_draft] == ["none"] + ["prompt-lookup"] * 3
