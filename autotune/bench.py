@@ -109,11 +109,22 @@ def _ours(strategy_of: Callable[[BenchContext], Strategy]) -> MethodFactory:
     return factory
 
 
+def _shaped(ctx: BenchContext, s: Strategy) -> Strategy:
+    """Method options ``kN`` (draft length) and ``tW-W-...`` (tree widths, one per depth) applied."""
+    if "t" in ctx.options:
+        widths = tuple(int(w) for w in ctx.options["t"].split("-"))
+        return replace(s, draft_length=len(widths), tree_widths=widths, dynamic_widths=None)
+    if "k" in ctx.options:
+        k = int(ctx.options["k"])
+        return replace(s, draft_length=k, tree_widths=None if s.tree_widths is None else (s.tree_widths + (1,) * k)[:k])
+    return s
+
+
 def _sd_strategy(ctx: BenchContext) -> Strategy:
     """The strategy from the command line (a chain unless --tree-widths/--dynamic-widths)."""
     if ctx.draft_name is None:
         raise CliError("method 'sd' needs a draft model; pass --draft MODEL")
-    return ctx.strategy
+    return _shaped(ctx, ctx.strategy)
 
 
 def _tree_strategy(ctx: BenchContext) -> Strategy:
@@ -122,12 +133,12 @@ def _tree_strategy(ctx: BenchContext) -> Strategy:
         raise CliError("method 'sd-tree' needs a draft model; pass --draft MODEL")
     s = ctx.strategy
     if s.tree_widths is not None or s.dynamic_widths is not None:
-        return s
-    return replace(s, draft_length=len(DEFAULT_TREE_WIDTHS), tree_widths=DEFAULT_TREE_WIDTHS)
+        return _shaped(ctx, s)
+    return _shaped(ctx, replace(s, draft_length=len(DEFAULT_TREE_WIDTHS), tree_widths=DEFAULT_TREE_WIDTHS))
 
 
 def _lookup_strategy(ctx: BenchContext) -> Strategy:
-    return Strategy(drafter="prompt-lookup", draft_length=ctx.strategy.draft_length)
+    return Strategy(drafter="prompt-lookup", draft_length=int(ctx.options.get("k", ctx.strategy.draft_length)))
 
 
 def _easyspec_strategy(ctx: BenchContext) -> Strategy:
@@ -200,7 +211,16 @@ METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
     "cal": lambda rest: ("cal", "on"),
     "task=": lambda rest: ("task", _nonempty(rest)),
     "db=": lambda rest: ("db", _existing_file(rest)),
+    "k": lambda rest: ("k", str(_positive(rest))),
+    "t": lambda rest: ("t", "-".join(str(_positive(w)) for w in rest.split("-"))),
 }
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{value} is not positive")
+    return value
 
 
 def _existing_file(text: str) -> str:
@@ -237,7 +257,8 @@ def parse_method(text: str) -> MethodSpec:
             raise CliError(
                 f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
                 "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), db=FILE (tuned, read from that SQLite "
-                "store, which must exist), e.g. easyspec:lp2:nocal, tuned:db=auto.db"
+                "store, which must exist), kN (draft length), tW-W-... (tree widths), e.g. easyspec:lp2:nocal, tuned:db=auto.db, "
+                "sd:k4, sd-tree:t2-1-1-1"
             ) from None
     return MethodSpec(text, name, tuple(parsed))
 
