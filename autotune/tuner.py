@@ -19,8 +19,10 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
    measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
    every kept strategy.
-4. **Spends little**: tuning time stays below ``max_share`` of the time decoded so far, divided by
-   1 + the number of windows in a row the incumbent has led (re-scoring less once stable); after
+4. **Spends little**: tuning time is an allowance accruing at ``max_share`` of the time that
+   passes, divided by 1 + the number of windows in a row the incumbent has led (re-scoring less
+   once stable), and trials spend it (the cost model's one-time timing is reported in the share
+   but not held against trials); after
    ``stop_windows`` such windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials
    it stops. Trials go to an in-memory study (Optuna's RDB writes would cost more than the
    trials) and are copied to the persistent one at the end of each prompt (``flush``).
@@ -236,9 +238,11 @@ class OnlineTuner:
         self._window_at = 0  # sequence length of the latest window scored
         self._last: tuple[int, int, int, float, float] | None = None  # tokens, forwards, rounds, verify_s, clock
         self._prompt_start = 0
-        self._clock0: float | None = None  # first decode round seen: the time base of max_share
         self._applied = False
-        self._budget_s = 0.0  # tuning time held against max_share (the cost model's one-time timing excluded)
+        # tuning-time allowance: accrues at the current share of elapsed time, trials spend it (the
+        # cost model's one-time timing excluded); a lower share later does not claw back earlier time
+        self._allowance = 0.0
+        self._accrued_at: float | None = None
         # tried first: a resumed study's best, then the space's seeds (one good point per drafter kind)
         seeds = [initial] + [s for s in space.seeds(ctx) if s != initial]
         for seed in seeds:
@@ -266,8 +270,7 @@ class OnlineTuner:
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)
         t0 = self.clock()
-        if self._clock0 is None:
-            self._clock0 = t0
+        self._accrue(t0)
         if not self._applied:  # plain decoding until a candidate beats it on measured time
             decoder.apply(self.incumbent.strategy)
             self._applied = True
@@ -292,20 +295,21 @@ class OnlineTuner:
             # timing the cost model is a one-time cost: reported in the share, not held against trials
             calibration = getattr(self.cost, "calibration_s", 0.0)
             self.state.calibration_s, spent_calibrating = calibration, calibration - self.state.calibration_s
-            self._budget_s += spent - spent_calibrating
+            self._allowance -= spent - spent_calibrating
             if self._last is not None:  # tuning time is not decode time of the running strategy
                 self._last = (*self._last[:4], self._last[4] + spent)
 
+    def _accrue(self, now: float) -> None:
+        """Tuning may use ``max_share`` of the time that passes, divided by 1 + the windows in a
+        row the incumbent has led (re-scoring less once stable)."""
+        if self._accrued_at is not None:
+            self._allowance += self.settings.max_share / (1 + self.state.stable) * (now - self._accrued_at)
+        self._accrued_at = now
+
     def _within_budget(self, t0: float, spent_now: float) -> bool:
-        """Whether tuning so far (``spent_now`` of it in this round) is within its share of the
-        time since decoding began: ``max_share``, divided by 1 + the windows in a row the
-        incumbent has led (``max_share=1`` never stops a trial: tuning is part of that time)."""
-        if self.settings.max_share >= 1.0:
-            return True
-        assert self._clock0 is not None
-        elapsed = t0 + spent_now - self._clock0
-        share = self.settings.max_share / (1 + self.state.stable)
-        return self._budget_s + spent_now <= share * elapsed
+        """Whether the allowance covers ``spent_now`` more seconds of tuning in this round
+        (``max_share=1`` never stops a trial: tuning is part of the time it shares)."""
+        return self.settings.max_share >= 1.0 or self._allowance - spent_now > 0
 
     def _account(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the round just decoded to the running strategy and refresh the cost model
