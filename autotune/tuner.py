@@ -265,7 +265,9 @@ class OnlineTuner:
         self._last = None
         t0 = self.clock()
         self.flush()
-        self.state.tuning_s += self.clock() - t0
+        spent = self.clock() - t0
+        self.state.tuning_s += spent
+        self._allowance -= spent
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)
