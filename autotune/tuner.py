@@ -12,8 +12,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
 2. **Races** (``_new_window``): each time ``window`` new tokens have been decoded, the incumbent
    and the racers are re-scored on the fresh window; a racer that no longer wins drops out. One
    that won on ``race_windows`` further windows decodes for ``confirm_tokens`` tokens (a measured
-   trial) and replaces the incumbent only if it measured faster than the incumbent's recent
-   rounds; otherwise decoding goes back to the incumbent. A decision needs a prediction that
+   trial) and replaces the incumbent only if it measured faster than the incumbent would have on
+   the same tokens (plain decoding's measured speed; a speculating incumbent's corrected
+   prediction on that window); otherwise decoding goes back to the incumbent. A decision needs a prediction that
    survived fresh data and a measurement, so one lucky window never switches.
 3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
@@ -106,6 +107,7 @@ class Kept:
     seconds: float = 0.0
     raw_tps: float = 0.0  # its uncorrected prediction on the latest window it was scored on
     raws: list[float] = field(default_factory=list)  # uncorrected predictions on the windows it raced / decoded
+    bar_tps: float | None = None  # a measured trial's bar: the incumbent's speed on the same tokens
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
 
     @property
@@ -279,7 +281,7 @@ class OnlineTuner:
         try:
             ch = self.challenger
             if ch is not None and ch.tokens >= self.settings.confirm_tokens:
-                self._decide(decoder)
+                self._decide(decoder, tokens)
             if self.state.done or self.challenger is not None or len(tokens) - self._prompt_start < self.settings.window:
                 return
             if not self._within_budget(t0, 0.0):
@@ -419,14 +421,19 @@ class OnlineTuner:
         self.state.measured_trials += 1
         decoder.apply(racer.strategy)
 
-    def _decide(self, decoder: Decoder) -> None:
+    def _decide(self, decoder: Decoder, tokens: list[int]) -> None:
         """End a measured trial: the challenger replaces the incumbent if it decoded faster than
-        the incumbent's recent rounds; otherwise decoding goes back to the incumbent."""
+        the incumbent would have on the same tokens - plain decoding's measured speed, or a
+        speculating incumbent's corrected prediction on the window the challenger just decoded
+        (how fast a drafter goes depends on the text: measured speeds of two stretches of text
+        are not comparable); otherwise decoding goes back to the incumbent."""
         ch, inc = self.challenger, self.incumbent
         assert ch is not None
         self.challenger = None
         self._correct(ch)
-        bar = inc.recent_tps or inc.predicted_tps
+        same_text = self._incumbent_score(decoder, tokens) if inc.strategy.speculates else None
+        bar = same_text or inc.recent_tps or inc.predicted_tps
+        ch.bar_tps = bar
         if (ch.measured_tps or 0.0) > bar:
             self.incumbent = ch
             self.kept.append(ch)
@@ -544,7 +551,7 @@ class OnlineTuner:
             "measured_trials": self.state.measured_trials,
             "rejected": [
                 {"trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": k.predicted_tps,
-                 "measured_tps": k.measured_tps}
+                 "measured_tps": k.measured_tps, "incumbent_tps": k.bar_tps}
                 for k in self.rejected
             ],
             "switches": list(self.switches),

@@ -175,10 +175,10 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
     def plain_scores_zero(self, decoder, tokens):
         return 0.0 if not self.incumbent.strategy.speculates else real_score(self, decoder, tokens)
 
-    def always_wins(self, decoder):
+    def always_wins(self, decoder, tokens):
         self.incumbent.recent.clear()
         self.incumbent.predicted_tps = 0.0
-        real_decide(self, decoder)
+        real_decide(self, decoder, tokens)
 
     real_score, real_decide = OnlineTuner._incumbent_score, OnlineTuner._decide
     monkeypatch.setattr(OnlineTuner, "_incumbent_score", plain_scores_zero)
