@@ -48,8 +48,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.device("cpu")) -> float:
-    fn()  # warm
+def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.device("cpu"), warm: bool = True) -> float:
+    if warm:
+        fn()
     samples = []
     for _ in range(repeats):
         _sync(device)
@@ -70,6 +71,7 @@ class MeasuredCostModel:
     verify_width: int
     context: int = 256
     repeats: int = 3
+    warm: bool = True  # one untimed forward first (a tuner timing models that are already decoding needs none)
     draft_scale: float = 1.0  # measured / predicted, refreshed while decoding
     verify_scale: float = 1.0
     _linear: tuple[float, float, float] | None = None  # base, per attention, per MLP
@@ -91,7 +93,7 @@ class MeasuredCostModel:
             with torch.inference_mode():
                 lm(ids, cache, plan=plan, logits_for=slice(-1, None))
 
-        out = _timed(step, self.repeats, torch.device(lm.device))
+        out = _timed(step, self.repeats, torch.device(lm.device), self.warm)
         self.calibration_s += time.perf_counter() - t0
         return out
 

@@ -166,7 +166,7 @@ def run_study(
     drafting = decoder.drafter_of("draft-model") or decoder.drafter_of("layer-skip")
     mean_len = sum(len(p) for p in prompts) // max(len(prompts), 1)
     cost = MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
-                             verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1)
+                             verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False)
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
     stats = DecodeStats()
     start = time.perf_counter()
