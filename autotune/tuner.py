@@ -143,7 +143,7 @@ class TunerState:
     calibration_s: float = 0.0  # of which timing the cost model (once per study)
     skipped_for_budget: int = 0  # rounds that ran no trial because tuning was over its time share
     windows: int = 0  # windows scored
-    stable: int = 0  # windows in a row on which no racer survived
+    stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
     rejected: int = 0  # measured trials that lost to the incumbent
     done: bool = False
@@ -238,6 +238,7 @@ class OnlineTuner:
         self.window_cache: dict[Any, Match | LookupMatch] = {}  # (kind, plan) -> its match on the window
         self._cache_at = -1  # sequence length the cached matches were scored at
         self._window_at = 0  # sequence length of the latest window scored
+        self._trials_at_window = 0  # trials run before the latest window
         self._last: tuple[int, int, int, float, float] | None = None  # tokens, forwards, rounds, verify_s, clock
         self._prompt_start = 0
         self._applied = False
@@ -408,7 +409,13 @@ class OnlineTuner:
         ready = [r for r in survivors if r.wins >= self.settings.race_windows]
         if ready:
             self._measure(decoder, max(ready, key=lambda r: r.score))
-        state.stable = 0 if survivors else state.stable + 1
+        # the incumbent led on this window if candidates were tried since the last one and none
+        # survived (a window without trials - the budget spent - says nothing)
+        if survivors:
+            state.stable = 0
+        elif state.trials > self._trials_at_window:
+            state.stable += 1
+        self._trials_at_window = state.trials
         if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
             state.done = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
