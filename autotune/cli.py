@@ -506,7 +506,9 @@ def format_study(report: Any) -> str:
         ("predicted tok/s", f"{t['best_predicted_tps']:.2f}" + (f" (plain {plain_pred:.2f})" if plain_pred else "")),
         ("measured tok/s", f"{report.best_tps:.2f} (plain {report.plain_tps:.2f}, same prompts, same run)"),
         ("speedup vs plain", f"{report.speedup:.2f}x, outputs {'identical' if report.identical else 'DIFFERENT'}"),
-        ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning"),
+        ("predicted / measured", _ratio_text(t.get("stored") or {})),
+        ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
+                         f"({t['trials']} trials, {t.get('measured_trials', 0)} measured)"),
         ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
     ]
     for k, v in rows:
@@ -515,6 +517,14 @@ def format_study(report: Any) -> str:
     with console.capture() as cap:
         console.print(table)
     return cap.get()
+
+
+def _ratio_text(stored: dict[str, Any]) -> str:
+    """The stored strategy's corrected prediction against its decode-round speed on the check prompts."""
+    if not stored.get("ratio"):
+        return "-"
+    return (f"{stored['ratio']:.2f} (predicted {stored['predicted_tps']:.2f} tok/s, decode rounds measured "
+            f"{stored['decode_tps']:.2f} on the check prompts)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -364,6 +364,12 @@ def index_page(title: str, links: Sequence[tuple[str, str, str]]) -> str:
 
 
 # ---------------------------------------------------------------------- bench
+def _short_method(name: str) -> str:
+    """A bench method label for an axis: ``tuned:db=/long/path/auto.db`` -> ``tuned:db=auto.db``."""
+    parts = name.split(":")
+    return ":".join(f"db={Path(p[3:]).name}" if p.startswith("db=") else p for p in parts)
+
+
 def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     """Tok/s of each bench method side by side (``autotune.bench.summarise``'s report), the speedup
     over the baseline on each bar; methods whose output differed from the baseline are hatched red."""
@@ -384,7 +390,9 @@ def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
         text = "-" if speedup is None else f"{speedup:.2f}x"
         labels.append(text if ok else f"{text}\nNOT identical")
     ax.bar_label(bars, labels=labels, fontsize=8, padding=2)
-    ax.set_xticks(range(len(names)), names, rotation=20 if len(names) > 5 else 0, fontsize=8)
+    ticks = [_short_method(n) for n in names]
+    ax.set_xticks(range(len(names)), ticks, rotation=20 if len(names) > 4 or max(map(len, ticks), default=0) > 14 else 0,
+                  fontsize=8)
     ax.set_ylabel("tok/s")
     ax.set_ylim(0, max(tps, default=1.0) * 1.25 or 1.0)
     cfg = report.get("config") or {}

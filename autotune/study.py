@@ -185,8 +185,10 @@ def run_study(
     chosen, reason = choose_stored(tuner.best, check)
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
     predicted = tuner.predicted_tps(chosen) if chosen is tuner.best else summary["plain_predicted_tps"]
-    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen_stats.tokens_per_s,
-                         "ratio": predicted / chosen_stats.tokens_per_s if predicted and chosen_stats.tokens_per_s else None}
+    decode = chosen_stats.decode_tokens_per_s  # the rounds the prediction is about (prefill left out)
+    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen_stats.tokens_per_s, "decode_tps": decode,
+                         "ratio": predicted / decode if predicted and decode else None}
+    summary["check"] = {"plain": check.plain.as_dict(), "tuned": check.tuned.as_dict()}
     for attr, value in (("kept", summary["kept"]), ("switches", summary["switches"]), ("stored", summary["stored"]),
                         ("rejected", summary["rejected"]), ("tune_stats", stats.as_dict()),
                         ("plain_predicted_tps", summary["plain_predicted_tps"]), ("tuning_share", tuning_share)):

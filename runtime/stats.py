@@ -38,6 +38,12 @@ class DecodeStats:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens/s of the decode rounds (the prefill's time left out): what a tuner's cost model predicts."""
+        rounds = self.wall_s - self.prefill_s
+        return self.new_tokens / rounds if rounds > 0 else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         """alpha: accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -65,6 +71,7 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "wall_s": self.wall_s,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted": self.mean_accepted,
             "draft_ms_per_100": self.draft_ms_per_100,
