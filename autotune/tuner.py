@@ -3,8 +3,11 @@
 Plain decoding is a point of every space and the incumbent until a candidate beats it on
 measured time. While decoding goes on with the incumbent, before rounds the tuner:
 
-1. **Scores candidates** (``trial``): asks the study (random search, and every ``beta``-th trial
-   a Bayesian sampler: GPSampler, or TPE for conditional spaces), predicts the candidate's
+1. **Scores candidates** (``trial``): asks the study - first the space's seeds (one reference
+   point per drafter kind), then the incumbent's neighbours (``SearchSpace.neighbours``: length
+   +-2, threshold +-0.1, enqueued at each window; they reuse the window's matchness, so they cost
+   almost nothing), otherwise random search, and every ``beta``-th trial a Bayesian sampler
+   (GPSampler, or TPE for conditional spaces) - predicts the candidate's
    tokens/s - matchness on the last ``window`` tokens in one forward of its drafting model (or a
    replay of prompt lookup on them), turned into time by the measured cost model, times the
    strategy's correction (below) - and tells the study. A candidate predicted ``switch_margin``
@@ -248,9 +251,9 @@ class OnlineTuner:
         self._accrued_at: float | None = None
         # tried first: a resumed study's best, then the space's seeds (one good point per drafter kind)
         seeds = [initial] + [s for s in space.seeds(ctx) if s != initial]
+        self._queued: set[Strategy] = set()  # strategies enqueued so far (seeds, neighbours)
         for seed in seeds:
-            if seed.speculates:
-                self.study.enqueue_trial(space.encode(seed, ctx))
+            self._enqueue(seed)
 
     # ----------------------------------------------------------------- decode hooks
     @property
@@ -409,6 +412,8 @@ class OnlineTuner:
         ready = [r for r in survivors if r.wins >= self.settings.race_windows]
         if ready:
             self._measure(decoder, max(ready, key=lambda r: r.score))
+        for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
+            self._enqueue(near)
         # the incumbent led on this window if candidates were tried since the last one and none
         # survived (a window without trials - the budget spent - says nothing)
         if survivors:
@@ -420,6 +425,11 @@ class OnlineTuner:
             state.done = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
         self._maybe_stop()
+
+    def _enqueue(self, strategy: Strategy) -> None:
+        if strategy.speculates and strategy not in self._queued:
+            self._queued.add(strategy)
+            self.study.enqueue_trial(self.space.encode(strategy, self.ctx))
 
     def _measure(self, decoder: Decoder, racer: Racer) -> None:
         del self.race[racer.strategy]

@@ -148,6 +148,31 @@ class SearchSpace(ABC):
         """Points the online tuner scores first (before random and Bayesian proposals)."""
         return [self.uniform(ctx)]
 
+    def neighbours(self, strategy: Strategy, ctx: SpaceContext) -> list[Strategy]:
+        """Points of the space next to ``strategy`` with the same drafter and layer plan: draft
+        length +-2, confidence threshold +-0.1 (where the space has them). Scoring them reuses the
+        window's matchness of that plan, so they are the cheapest candidates that can change a
+        decision (a local step after random and Bayesian proposals)."""
+        if not strategy.speculates:
+            return []
+        out = []
+        for change in ({"draft_length": strategy.draft_length - 2}, {"draft_length": strategy.draft_length + 2},
+                       {"confidence_threshold": round(strategy.confidence_threshold - 0.1, 2)},
+                       {"confidence_threshold": round(strategy.confidence_threshold + 0.1, 2)}):
+            if change.get("confidence_threshold", 0.0) < 0.0 or strategy.drafter == "prompt-lookup" and \
+                    "confidence_threshold" in change:
+                continue
+            try:
+                near = replace(strategy, **change)
+                if strategy.tree_widths is not None and "draft_length" in change:
+                    near = replace(strategy, draft_length=change["draft_length"],
+                                   tree_widths=_fit_widths(strategy.tree_widths, change["draft_length"]))
+                self.encode(near, ctx)
+            except (SpaceError, StrategyError):
+                continue
+            out.append(near)
+        return out
+
     def _replay(self, params: dict[str, Any], ctx: SpaceContext) -> tuple[optuna.trial.FixedTrial, Strategy]:
         from optuna.trial import FixedTrial
 

@@ -258,3 +258,17 @@ def test_chain_space_points_are_a_small_enumerable_grid():
         assert fixed(space, space.encode(s, ctx), ctx) == s
     no_draft = space.points(SpaceContext(n_layers=28, max_draft_length=6))
     assert [s.drafter for s in no_draft] == ["none"] + ["prompt-lookup"] * 3
+
+
+def test_neighbours_are_points_of_the_space_with_the_same_plan():
+    ctx = SpaceContext(n_layers=28, draft_layers=24, max_draft_length=12)
+    auto = get_space("auto")
+    near = auto.neighbours(Strategy(draft_length=10, confidence_threshold=0.6), ctx)
+    assert {(s.draft_length, s.confidence_threshold) for s in near} == {(8, 0.6), (12, 0.6), (10, 0.5), (10, 0.7)}
+    assert [s.draft_length for s in auto.neighbours(Strategy(drafter="prompt-lookup", draft_length=12), ctx)] == [10]
+    assert auto.neighbours(PLAIN, ctx) == []
+    for s in near:
+        assert fixed(auto, auto.encode(s, ctx), ctx) == s and s.layer_plan is None
+    # the grid space keeps its grid: thresholds +-0.1 are not points of it
+    grid = get_space("chain").neighbours(Strategy(draft_length=10, confidence_threshold=0.6), ctx)
+    assert {(s.draft_length, s.confidence_threshold) for s in grid} == {(8, 0.6), (12, 0.6)}
