@@ -11,7 +11,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.transformer import CausalLM
-from search_spaces import LayerPlan, easyspec_plan, uniform_skip_plan
+from search_spaces import LayerPlan, Strategy, easyspec_plan, uniform_skip_plan
 
 from tests.conftest import noisy_copy, tiny_model
 
@@ -84,9 +84,9 @@ def test_identity_plan_drafts_on_the_plain_path(calibrate):
     draft = ModelDrafter(CausalLM(noisy_copy(target_hf, 0.1, 2)), 96, TreeShape((1,) * 4), plan=LayerPlan(5),
                          calibrate=calibrate)
     assert draft.plan is None and draft.calibrate is False
-    draft.reconfigure(None, LayerPlan(5), calibrate)
+    draft.reconfigure(Strategy(draft_length=4, layer_plan=LayerPlan(5), calibrate=calibrate))
     assert draft.plan is None and draft.calibrate is False
-    draft.reconfigure(None, LayerPlan(5, skip_mlp=(2,)), calibrate)
+    draft.reconfigure(Strategy(draft_length=4, layer_plan=LayerPlan(5, skip_mlp=(2,)), calibrate=calibrate))
     assert draft.plan == LayerPlan(5, skip_mlp=(2,)) and draft.calibrate is calibrate
 
 
