@@ -148,7 +148,6 @@ class TunerState:
     windows: int = 0  # windows scored
     stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
-    rejected: int = 0  # measured trials that lost to the incumbent
     done: bool = False
     stop_reason: str = ""
 
@@ -458,7 +457,6 @@ class OnlineTuner:
             self.state.since_improvement = 0
             self.state.stable = 0
         else:
-            self.state.rejected += 1
             self.rejected.append(ch)
             decoder.apply(inc.strategy)
 

@@ -557,6 +557,10 @@ CHAIN_LENGTHS = (2, 4, 6, 8, 10, 12)
 CHAIN_THRESHOLDS = (0.0, 0.3, 0.6)
 
 
+def _chain_lengths(ctx: SpaceContext) -> list[int]:
+    return [n for n in CHAIN_LENGTHS if n <= ctx.max_draft_length] or [MIN_DRAFT_LENGTH]
+
+
 class ChainSpace(SearchSpace):
     """A small grid (a few dozen points, enumerable): plain decoding, the draft model's chain or
     prompt lookup, at ``CHAIN_LENGTHS`` (capped by ``max_draft_length``) x ``CHAIN_THRESHOLDS``
@@ -572,7 +576,7 @@ class ChainSpace(SearchSpace):
         kind = trial.suggest_categorical("drafter", list(self.kinds(ctx)))
         if kind == "none":
             return PLAIN
-        lengths = [n for n in CHAIN_LENGTHS if n <= ctx.max_draft_length] or [MIN_DRAFT_LENGTH]
+        lengths = _chain_lengths(ctx)
         if kind == "prompt-lookup":
             return replace(ctx.base, drafter=kind, draft_length=trial.suggest_categorical("lk_draft_length", lengths),
                            tree_widths=None, dynamic_widths=None, layer_plan=None)
@@ -593,7 +597,7 @@ class ChainSpace(SearchSpace):
 
     def points(self, ctx: SpaceContext) -> list[Strategy]:
         """Every strategy of the space."""
-        lengths = [n for n in CHAIN_LENGTHS if n <= ctx.max_draft_length] or [MIN_DRAFT_LENGTH]
+        lengths = _chain_lengths(ctx)
         params = [{"drafter": "none"}]
         if "draft-model" in self.kinds(ctx):
             params += [{"drafter": "draft-model", "dm_draft_length": n, "dm_confidence_threshold": t}
