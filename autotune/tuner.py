@@ -50,7 +50,7 @@ import optuna
 import torch
 
 from autotune.cost_model import CostModel
-from autotune.matchness import LookupMatch, Match, lookup_match, matchness, usable_window
+from autotune.matchness import LookupMatch, Match, lookup_match, matchness, score_logits, usable_window
 from autotune.objective import Prediction, predict, predict_lookup, predict_plain
 from runtime.decoding import Decoder
 from runtime.drafters import ModelDrafter
@@ -175,13 +175,21 @@ def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tok
     if not isinstance(drafter, ModelDrafter):
         return None
     window = tuner.settings.window
-    if not usable_window(len(tokens), drafter.cache.length, window):
-        drafter.sync()  # on standby: its cache lags by the tokens decoded without it
-        if not usable_window(len(tokens), drafter.cache.length, window):
-            return None
-    key = (strategy.drafter, strategy.layer_plan)
+    plan = strategy.layer_plan
+    identity = plan is None or plan.is_identity
+    key = (strategy.drafter, None if identity else plan)
     match = tuner.window_cache.get(key)
     if match is None:
+        if identity:  # on standby: its catch-up forward scores the window too
+            logits = drafter.sync_scoring(tokens, window)
+            if logits is not None:
+                w = logits.shape[0]
+                match = tuner.window_cache[key] = score_logits(logits, torch.tensor(tokens[len(tokens) - w:]))
+    if match is None:
+        if not usable_window(len(tokens), drafter.cache.length, window):
+            drafter.sync()  # on standby: its cache lags by the tokens decoded without it
+            if not usable_window(len(tokens), drafter.cache.length, window):
+                return None
         match = tuner.window_cache[key] = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, window)
     return predict(strategy, match, tuner.cost), match.rate
 

@@ -117,6 +117,9 @@ class ModelDrafter:
         self.pending: list[int] = []
         self.round = _Round()
         self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
+        # the tokens whose exact K/V fill the cache's leading rows: the next prompt's common
+        # prefix with them is kept instead of prefilled again (few-shot prompts share theirs)
+        self.exact_rows: list[int] = []
 
     def reconfigure(self, strategy: Strategy) -> None:
         """Draft with ``strategy``'s tree, layer plan and calibration from the next round on,
@@ -131,15 +134,56 @@ class ModelDrafter:
         draft on the latest tokens needs while decoding goes on without it (plain decoding)."""
         if len(self.pending) < 2:
             return
-        ids = torch.tensor(self.pending[:-1], dtype=torch.long, device=self.model.device)
         with torch.inference_mode():
-            self.model(ids, self.cache, logits_for=slice(-1, None))
+            self._run_exact(self.pending[:-1], slice(-1, None))
         self.pending = self.pending[-1:]
 
+    def sync_scoring(self, tokens: list[int], window: int) -> torch.Tensor | None:
+        """``sync`` that also scores: the catch-up forward's logits at the last ``window``
+        positions ``[w, Vd]`` (row i predicts ``tokens[n - w + i]``), i.e. the draft's own
+        (all layers) predictions of the window, for the price of the catch-up alone. None when the
+        cache already holds the window's inputs (or ``tokens`` is not the sequence it follows)."""
+        n = len(tokens)
+        w = min(window, n - 1)
+        start = n - w - 1  # the input predicting the window's first token
+        if w < 1 or self.cache.length > start or self.cache.length + len(self.pending) != n \
+                or tokens[self.cache.length:] != self.pending:
+            return None
+        with torch.inference_mode():
+            if start > self.cache.length:
+                self._run_exact(tokens[self.cache.length:start], slice(-1, None))
+            logits = self._run_exact(tokens[start : n - 1], None).float()
+        self.pending = tokens[n - 1:]
+        return logits
+
+    def _run_exact(self, ids: list[int], logits_for: slice | None) -> torch.Tensor:
+        """Committed tokens through every layer into the cache, tracked as exact rows."""
+        if self.cache.length == len(self.exact_rows):
+            self.exact_rows.extend(ids)
+        t = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        if logits_for is None:
+            return self.model(t, self.cache)
+        return self.model(t, self.cache, logits_for=logits_for)
+
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
+        """A new sequence. The leading cache rows it shares with the previous one (exact K/V of
+        the same tokens at the same positions) are kept, not prefilled again."""
         extra = self.shape.max_nodes() if self.shape else 0
-        self.cache = self.model.new_cache(capacity + extra)
-        self.pending = list(prompt)
+        need = capacity + extra
+        keep = 0
+        limit = min(len(self.exact_rows), len(prompt) - 1, self.cache.length)
+        while keep < limit and self.exact_rows[keep] == prompt[keep]:
+            keep += 1
+        if keep and self.cache.capacity >= need:
+            self.cache.rollback(keep)
+        else:
+            old, self.cache = self.cache, self.model.new_cache(need)
+            if keep:
+                self.cache.all_keys[:, :, :keep] = old.all_keys[:, :, :keep]
+                self.cache.all_values[:, :, :keep] = old.all_values[:, :, :keep]
+                self.cache.length = keep
+        del self.exact_rows[keep:]
+        self.pending = list(prompt[keep:])
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
@@ -163,6 +207,8 @@ class ModelDrafter:
         ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
         plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
         n = len(self.pending)
+        if plan is None and self.cache.length == len(self.exact_rows):
+            self.exact_rows.extend(self.pending)
         self.pending = []
         width = max(n, self.catch_up_width) if self.model.is_compiled and self.cache.length else n
         if width == n:
@@ -289,6 +335,7 @@ class ModelDrafter:
                 break
             kept.append(rnd.slot[node])
         self.cache.commit(rnd.base, kept)
+        del self.exact_rows[self.cache.length:]
         self.pending = list(new_tokens[len(kept):])
         self.round = _Round()  # a drafter kept on standby next round observes without drafting
 
@@ -315,6 +362,7 @@ class SelfDrafter(ModelDrafter):
             raise ValueError("a self-speculative drafter drafts into the target's cache; pass it to begin()")
         self.cache = target_cache
         self.pending = [prompt[-1]]  # the target cache holds everything before the last token
+        self.exact_rows = []  # the target's cache: nothing of its own to keep across sequences
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         committed = self.cache.length

@@ -155,23 +155,40 @@ class SearchSpace(ABC):
         decision (a local step after random and Bayesian proposals)."""
         if not strategy.speculates:
             return []
+        changes: list[dict[str, Any]] = [
+            {"draft_length": strategy.draft_length - 2}, {"draft_length": strategy.draft_length + 2},
+        ]
+        if strategy.drafter != "prompt-lookup":
+            changes += [{"confidence_threshold": round(strategy.confidence_threshold + d, 2)} for d in (-0.1, 0.1)
+                        if strategy.confidence_threshold + d >= 0.0]
+            # one more or one fewer candidate at the first depth (a chain becomes a small tree)
+            widths = strategy.tree_widths or (1,) * strategy.draft_length
+            for w in (widths[0] - 1, widths[0] + 1):
+                if w >= 1:
+                    head = (w, *widths[1:])
+                    changes.append({"tree_widths": None if all(x == 1 for x in head) else head})
         out = []
-        for change in ({"draft_length": strategy.draft_length - 2}, {"draft_length": strategy.draft_length + 2},
-                       {"confidence_threshold": round(strategy.confidence_threshold - 0.1, 2)},
-                       {"confidence_threshold": round(strategy.confidence_threshold + 0.1, 2)}):
-            if change.get("confidence_threshold", 0.0) < 0.0 or strategy.drafter == "prompt-lookup" and \
-                    "confidence_threshold" in change:
-                continue
+        for change in changes:
+            if strategy.tree_widths is not None and "draft_length" in change:
+                change = {**change, "tree_widths": _fit_widths(strategy.tree_widths, change["draft_length"])}
             try:
                 near = replace(strategy, **change)
-                if strategy.tree_widths is not None and "draft_length" in change:
-                    near = replace(strategy, draft_length=change["draft_length"],
-                                   tree_widths=_fit_widths(strategy.tree_widths, change["draft_length"]))
-                self.encode(near, ctx)
-            except (SpaceError, StrategyError):
+            except StrategyError:
                 continue
-            out.append(near)
+            if "tree_widths" in change and "draft_length" not in change:  # a wider tree is cut to the space's node budget, as define() does
+                near = next((c for c in _shorter(near) if self._holds(c, ctx)), None)
+            elif not self._holds(near, ctx):
+                near = None
+            if near is not None and near != strategy and near not in out:
+                out.append(near)
         return out
+
+    def _holds(self, strategy: Strategy, ctx: SpaceContext) -> bool:
+        try:
+            self.encode(strategy, ctx)
+        except (SpaceError, StrategyError):
+            return False
+        return True
 
     def _replay(self, params: dict[str, Any], ctx: SpaceContext) -> tuple[optuna.trial.FixedTrial, Strategy]:
         from optuna.trial import FixedTrial
@@ -188,6 +205,16 @@ class SearchSpace(ABC):
 
 
 # ---------------------------------------------------------------------------------- shared pieces
+def _shorter(strategy: Strategy):
+    """``strategy``, then the same tree cut one depth shorter each time (down to 2)."""
+    for n in range(strategy.draft_length, MIN_DRAFT_LENGTH - 1, -1):
+        widths = _fit_widths(strategy.tree_widths, n)
+        try:
+            yield replace(strategy, draft_length=n, tree_widths=widths)
+        except StrategyError:
+            continue
+
+
 def _fit_widths(widths: tuple[int, ...] | None, length: int) -> tuple[int, ...] | None:
     """``widths`` cut or padded with 1s to ``length`` depths (``None`` stays a chain)."""
     return None if widths is None else (tuple(widths) + (1,) * length)[:length]
@@ -437,6 +464,7 @@ def _prefixed(params: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 MAX_HEAD_WIDTHS = (4, 2)  # `auto` trees: children per node at depth 1 and 2 (then a chain)
+TREE_SEED_LENGTH = 4  # depth of the `auto` space's seed tree (2 candidates at depth 1, then chains)
 
 
 class AutoSpace(SearchSpace):
@@ -525,9 +553,10 @@ class AutoSpace(SearchSpace):
         return {"drafter": "none"}
 
     def seeds(self, ctx: SpaceContext) -> list[Strategy]:
-        """One reference point per drafter kind, so every kind is scored early: the draft model's
-        chain at the base's length and threshold and EasySpec's default plan (or SWIFT's uniform
-        skip without a draft model), and prompt lookup at the base's length."""
+        """Reference points, so every drafter kind is scored early: the draft model's chain at the
+        base's length and threshold, a small tree (2 candidates at depth 1, depth 4) and
+        EasySpec's default plan (or SWIFT's uniform skip without a draft model), and prompt
+        lookup at the base's length."""
         kinds = self.kinds(ctx)
         length = min(max(ctx.base.draft_length, MIN_DRAFT_LENGTH), ctx.max_draft_length)
         threshold = _reference_drafting(ctx)["confidence_threshold"]
@@ -539,6 +568,9 @@ class AutoSpace(SearchSpace):
                                           replace(ctx, n_layers=ctx.draft_layers))
             params = [
                 {"drafter": "draft-model", "dm_lp_size": 1, **drafting},
+                # a small tree: where the draft agrees less, a second candidate per step pays
+                {"drafter": "draft-model", "dm_lp_size": 1, **drafting, "dm_w1": 2,
+                 "dm_draft_length": min(TREE_SEED_LENGTH, ctx.max_draft_length)},
                 {"drafter": "draft-model", **_prefixed(easy, "dm_"), "dm_calibrate": True, **drafting},
             ] + params
         elif "layer-skip" in kinds:

@@ -311,6 +311,53 @@ def test_apply_switches_kinds_mid_sequence_losslessly(target, draft):
     assert torch.allclose(drafter.cache.all_values[:, :, :n], ref.all_values[:, :, :n], atol=1e-5)
 
 
+def test_standby_catch_up_scores_the_window_it_runs(target, draft):
+    """A draft on standby scores its own (all layers) plan from the catch-up forward: the same
+    matchness as a scratch forward over a fresh prefill, and the cache then follows the sequence
+    exactly, as ``sync`` leaves it."""
+    tokens = plain_tokens(target, 30)
+    drafter = ModelDrafter(draft, 40)
+    drafter.begin(tokens[:len(PROMPT) + 1], len(tokens) + 8)
+    drafter.observe(0, tokens[len(PROMPT) + 1:], [])  # decoded without it: all pending
+    logits = drafter.sync_scoring(tokens, 8)
+    assert logits is not None and logits.shape[0] == 8
+    got = score_logits(logits, torch.tensor(tokens[-8:]))
+    ref = matchness(draft, prefilled(draft, tokens, len(tokens) - 9), None, tokens, 8)
+    assert torch.equal(got.hits, ref.hits) and torch.allclose(got.confidence, ref.confidence, atol=1e-5)
+    n = len(tokens) - 1
+    assert drafter.cache.length == n and drafter.pending == tokens[-1:]
+    fresh = prefilled(draft, tokens, n)
+    assert torch.allclose(drafter.cache.all_keys[:, :, :n], fresh.all_keys[:, :, :n], atol=1e-5)
+    assert drafter.sync_scoring(tokens, 8) is None  # nothing left to catch up: the caller scores from the cache
+
+
+def test_a_draft_keeps_the_prefix_its_next_prompt_shares(target, draft):
+    """Few-shot prompts share a long prefix: a draft model keeps those exact rows across
+    sequences (also when its cache must grow), drafts exactly as after a fresh prefill, and the
+    output stays plain decoding's."""
+    strategy = Strategy(draft_length=4, confidence_threshold=0.0)
+    shared = PROMPT + [33, 21, 8, 14, 2, 19]
+    first, second = shared + [4, 4, 9], shared + [27, 11]
+    decoder = Decoder(target, ModelDrafter(draft, 40, tree_shape(strategy)), draft_length=4, verify_width=6)
+    decoder.generate(first, GenerationConfig(max_new_tokens=12))
+    drafter = decoder.drafter
+    assert drafter.exact_rows[:len(first)] == first
+    out = decoder.generate(second, GenerationConfig(max_new_tokens=40))
+    fresh = Decoder(target, ModelDrafter(draft, 40, tree_shape(strategy)), draft_length=4, verify_width=6)
+    ref = fresh.generate(second, GenerationConfig(max_new_tokens=40))
+    assert out.tokens == ref.tokens == Decoder(target).generate(second, GenerationConfig(max_new_tokens=40)).tokens
+    assert out.stats.drafted > 0 and out.stats.accepted == ref.stats.accepted
+    # the kept rows equal a fresh prefill's; a longer prompt grows the cache and keeps them too
+    n = len(shared)
+    ref_cache = prefilled(draft, second, n)
+    assert torch.allclose(drafter.cache.all_keys[:, :, :n], ref_cache.all_keys[:, :, :n], atol=1e-5)
+    capacity = drafter.cache.capacity
+    drafter.begin(shared + list(range(1, 60)), capacity + 80)
+    assert drafter.cache.capacity >= capacity + 80 and drafter.cache.length == n
+    assert drafter.pending == list(range(1, 60))
+    assert torch.allclose(drafter.cache.all_keys[:, :, :n], ref_cache.all_keys[:, :, :n], atol=1e-5)
+
+
 def test_apply_refuses_what_the_decoder_cannot_do(target, draft):
     decoder = joint_decoder(target, draft)
     with pytest.raises(RuntimeUserError, match="no 'layer-skip' drafter"):

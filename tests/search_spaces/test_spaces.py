@@ -264,7 +264,13 @@ def test_neighbours_are_points_of_the_space_with_the_same_plan():
     ctx = SpaceContext(n_layers=28, draft_layers=24, max_draft_length=12)
     auto = get_space("auto")
     near = auto.neighbours(Strategy(draft_length=10, confidence_threshold=0.6), ctx)
-    assert {(s.draft_length, s.confidence_threshold) for s in near} == {(8, 0.6), (12, 0.6), (10, 0.5), (10, 0.7)}
+    assert {(s.draft_length, s.confidence_threshold, s.tree_widths) for s in near} == {
+        (8, 0.6, None), (12, 0.6, None), (10, 0.5, None), (10, 0.7, None),
+        (6, 0.6, (2, 1, 1, 1, 1, 1)),  # a second candidate at depth 1, cut to the node budget (12)
+    }
+    tree = Strategy(draft_length=4, confidence_threshold=0.6, tree_widths=(2, 1, 1, 1))
+    assert {(s.draft_length, s.tree_widths) for s in auto.neighbours(tree, ctx)} == {
+        (2, (2, 1)), (6, (2, 1, 1, 1, 1, 1)), (4, (2, 1, 1, 1)), (4, None), (4, (3, 1, 1, 1))}
     assert [s.draft_length for s in auto.neighbours(Strategy(drafter="prompt-lookup", draft_length=12), ctx)] == [10]
     assert auto.neighbours(PLAIN, ctx) == []
     for s in near:
