@@ -108,6 +108,8 @@ class Kept:
     matchness: float
     tokens: int = 0
     seconds: float = 0.0
+    drafted: int = 0  # draft tokens it verified, and how many of them were accepted
+    accepted: int = 0
     raw_tps: float = 0.0  # its uncorrected prediction on the latest window it was scored on
     raws: list[float] = field(default_factory=list)  # uncorrected predictions on the windows it raced / decoded
     bar_tps: float | None = None  # a measured trial's bar: the incumbent's speed on the same tokens
@@ -116,6 +118,10 @@ class Kept:
     @property
     def measured_tps(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def recent_tps(self) -> float | None:
@@ -249,7 +255,8 @@ class OnlineTuner:
         self._cache_at = -1  # sequence length the cached matches were scored at
         self._window_at = 0  # sequence length of the latest window scored
         self._trials_at_window = 0  # trials run before the latest window
-        self._last: tuple[int, int, int, float, float] | None = None  # tokens, forwards, rounds, verify_s, clock
+        # at the last round: tokens, forwards, draft rounds, verify_s, clock, drafted, accepted
+        self._last: tuple[int, int, int, float, float, int, int] | None = None
         self._prompt_start = 0
         self._applied = False
         # tuning-time allowance: accrues at the current share of elapsed time, trials spend it (the
@@ -271,6 +278,7 @@ class OnlineTuner:
         self._prompt_start = prompt_len
         self._window_at = prompt_len
         self._last = None
+        self.window_cache, self._cache_at = {}, -1  # another sequence: nothing scored yet
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the prompt's last round to the running strategy; persist the new trials."""
@@ -293,15 +301,22 @@ class OnlineTuner:
             ch = self.challenger
             if ch is not None and ch.tokens >= self.settings.confirm_tokens:
                 self._decide(decoder, tokens)
-            if self.state.done or self.challenger is not None or len(tokens) - self._prompt_start < self.settings.window:
+            if self.challenger is not None or len(tokens) - self._prompt_start < self.settings.window:
+                return
+            if self.state.done and not self.race:  # stopped, and no racer left to decide
                 return
             if not self._within_budget(t0, 0.0):
                 self.state.skipped_for_budget += 1
                 return
             if len(tokens) - self._window_at >= self.settings.window:
                 self._new_window(decoder, tokens)
+            if self.state.done or self._window_at <= self._prompt_start:  # no window of this prompt scored yet
+                return
+            # trials score on the latest window (its matches are cached until the next one), so
+            # between windows a candidate whose plan was scored there costs no forward
+            scored = tokens[: self._window_at]
             for _ in range(self.settings.trials_per_round):
-                if self.state.done or self.challenger is not None or not self._trial(decoder, tokens) \
+                if self.state.done or self.challenger is not None or not self._trial(decoder, scored) \
                         or not self._within_budget(t0, self.clock() - t0):
                     break
         finally:
@@ -312,7 +327,7 @@ class OnlineTuner:
             self.state.calibration_s, spent_calibrating = calibration, calibration - self.state.calibration_s
             self._allowance -= spent - spent_calibrating
             if self._last is not None:  # tuning time is not decode time of the running strategy
-                self._last = (*self._last[:4], self._last[4] + spent)
+                self._last = (*self._last[:4], self._last[4] + spent, *self._last[5:])
 
     def _accrue(self, now: float) -> None:
         """Tuning may use ``max_share`` of the time that passes, divided by 1 + the windows in a
@@ -331,18 +346,21 @@ class OnlineTuner:
         with its target step (a verify at the fixed width when it drafted, else a plain step)."""
         now = self.clock()
         if self._last is not None:
-            n, forwards, rounds, verify, clock = self._last
+            n, forwards, rounds, verify, clock, drafted, accepted = self._last
             new, secs = len(tokens) - n, now - clock
             run = self.running
             run.tokens += new
             run.seconds += secs
+            run.drafted += stats.drafted - drafted
+            run.accepted += stats.accepted - accepted
             if new > 0:
                 run.recent.append((new, secs))
             steps = stats.target_forwards - forwards
             if steps > 0 and stats.verify_s > verify:
                 observe = self.cost.observe_verify if stats.draft_rounds > rounds else self.cost.observe_plain
                 observe((stats.verify_s - verify) / steps)
-        self._last = (len(tokens), stats.target_forwards, stats.draft_rounds, stats.verify_s, now)
+        self._last = (len(tokens), stats.target_forwards, stats.draft_rounds, stats.verify_s, now,
+                      stats.drafted, stats.accepted)
 
     # ----------------------------------------------------------------- scoring
     def score(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[float, float, float] | None:
@@ -455,7 +473,10 @@ class OnlineTuner:
         assert ch is not None
         self.challenger = None
         self._correct(ch)
-        same_text = self._incumbent_score(decoder, tokens) if inc.strategy.speculates else None
+        same_text = None
+        if inc.strategy.speculates:
+            same_text = self._incumbent_score(decoder, tokens)
+            self._window_at = len(tokens)  # the window just scored is the latest (trials reuse its matches)
         bar = same_text or inc.recent_tps or inc.predicted_tps
         ch.bar_tps = bar
         if (ch.measured_tps or 0.0) > bar:
@@ -558,7 +579,7 @@ class OnlineTuner:
             measured = k.measured_tps
             kept.append({
                 "trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": predicted,
-                "measured_tps": measured, "matchness": k.matchness, "tokens": k.tokens,
+                "measured_tps": measured, "matchness": k.matchness, "tokens": k.tokens, "acceptance": k.acceptance,
                 "ratio": predicted / measured if predicted and measured else None,
             })
         return {

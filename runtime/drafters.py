@@ -139,21 +139,24 @@ class ModelDrafter:
         self.pending = self.pending[-1:]
 
     def sync_scoring(self, tokens: list[int], window: int) -> torch.Tensor | None:
-        """``sync`` that also scores: the catch-up forward's logits at the last ``window``
-        positions ``[w, Vd]`` (row i predicts ``tokens[n - w + i]``), i.e. the draft's own
-        (all layers) predictions of the window, for the price of the catch-up alone. None when the
-        cache already holds the window's inputs (or ``tokens`` is not the sequence it follows)."""
+        """``sync`` up to ``tokens`` that also scores: the catch-up forward's logits at the last
+        ``window`` positions ``[w, Vd]`` (row i predicts ``tokens[n - w + i]``), i.e. the draft's
+        own (all layers) predictions of the window, for the price of the catch-up alone.
+        ``tokens`` is a prefix of the sequence the draft follows; committed tokens after it stay
+        pending. None when the cache already holds the window's inputs, or ``tokens`` is not such
+        a prefix."""
         n = len(tokens)
         w = min(window, n - 1)
         start = n - w - 1  # the input predicting the window's first token
-        if w < 1 or self.cache.length > start or self.cache.length + len(self.pending) != n \
-                or tokens[self.cache.length:] != self.pending:
+        held = self.cache.length
+        # ``tokens`` must be a prefix of the sequence followed (cache rows + pending) reaching past the rows
+        if w < 1 or held > start or n > held + len(self.pending) or tokens[held:] != self.pending[: n - held]:
             return None
         with torch.inference_mode():
-            if start > self.cache.length:
-                self._run_exact(tokens[self.cache.length:start], slice(-1, None))
+            if start > held:
+                self._run_exact(tokens[held:start], slice(-1, None))
             logits = self._run_exact(tokens[start : n - 1], None).float()
-        self.pending = tokens[n - 1:]
+        self.pending = self.pending[n - 1 - held:]
         return logits
 
     def _run_exact(self, ids: list[int], logits_for: slice | None) -> torch.Tensor:
