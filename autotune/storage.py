@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import (
     Column, DateTime, Float, Index, Integer, MetaData, String, Table, Text, UniqueConstraint, and_, create_engine,
-    delete, event, insert, select, update,
+    delete, event, insert, or_, select, update,
 )
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, OperationalError
@@ -166,11 +166,17 @@ class Storage:
 
     # ------------------------------------------------------------------ writes
     def record(
-        self, key: StrategyKey, strategy: Strategy, metrics: ResultMetrics, prompts: Sequence[str] = ()
+        self, key: StrategyKey, strategy: Strategy, metrics: ResultMetrics, prompts: Sequence[str] = (),
+        supersedes: int | None = None,
     ) -> int:
         """Append a history row with the ``prompts`` the strategy was tuned on (their routing texts,
         bounded as ``bounded_prompts`` says) and make ``strategy`` the key's best when its score
-        beats the stored best (or none is stored), in one transaction. Returns the history row id."""
+        beats the stored best (or none is stored), in one transaction. Returns the history row id.
+
+        ``supersedes``: the history row of the best this result re-tunes (the traffic changed, so
+        scores measured on the old traffic no longer compare): the best is replaced while it is
+        still that row; once another result replaced it (a second replica re-tuning the same
+        route), the higher score stays. Every result keeps its history row either way."""
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Strategy, got {type(strategy).__name__}")
         text = strategy.to_json()
@@ -185,7 +191,7 @@ class Storage:
             if texts:
                 rows = [{"history_id": history_id, "position": i, "text": t} for i, t in enumerate(texts)]
                 conn.execute(insert(prompts_table), rows)
-            _offer_best(conn, key, text, metrics, history_id, now)
+            _offer_best(conn, key, text, metrics, history_id, now, supersedes)
             return int(history_id)
 
         return self._write(work)
@@ -308,9 +314,11 @@ class _Retry(Exception):
 
 
 def _offer_best(
-    conn: Connection, key: StrategyKey, text: str, metrics: ResultMetrics, history_id: int, now: datetime
+    conn: Connection, key: StrategyKey, text: str, metrics: ResultMetrics, history_id: int, now: datetime,
+    supersedes: int | None = None,
 ) -> None:
-    """Insert the key's best row, or replace it when ``metrics.score`` is strictly higher."""
+    """Insert the key's best row, or replace it when ``metrics.score`` is strictly higher (or
+    while it is still the row ``supersedes`` names)."""
     measured = metrics.as_row()
     values = {name: measured[name] for name in ("score", "measured_tps", "predicted_tps", "acceptance", "study_name")}
     values.update(strategy=text, history_id=history_id, updated_at=now)
@@ -325,9 +333,10 @@ def _offer_best(
         if found is None:
             conn.execute(insert(best_table).values(**key.as_row(), **values))
             return
-    conn.execute(
-        update(best_table).where(_key_match(best_table, key), best_table.c.score < metrics.score).values(**values)
-    )
+    better = best_table.c.score < metrics.score
+    if supersedes is not None:
+        better = or_(better, best_table.c.history_id == supersedes)
+    conn.execute(update(best_table).where(_key_match(best_table, key), better).values(**values))
 
 
 def _transient(exc: DBAPIError) -> bool:

@@ -152,6 +152,57 @@ def test_best_replaced_only_by_a_strictly_better_score(store: Storage):
     assert len(store.list_best()) == 1
 
 
+def test_a_retune_supersedes_the_best_it_replaces(store: Storage):
+    """A route re-tuned on changed traffic replaces the best it re-tuned even with a lower score
+    (scores measured on other traffic do not compare); a second re-tune of that same row (another
+    replica) then only wins with a better score; every result keeps its history row."""
+    old = store.record(KEY, Strategy(draft_length=8), ResultMetrics(score=20.0, acceptance=0.9))
+    first = store.record(KEY, Strategy(draft_length=4), ResultMetrics(score=6.0, acceptance=0.5), supersedes=old)
+    best = store.best(KEY)
+    assert (best.history_id, best.score, best.strategy.draft_length) == (first, 6.0, 4)
+    store.record(KEY, PLAIN, ResultMetrics(score=5.0), supersedes=old)  # the same row, re-tuned elsewhere: worse
+    assert store.best(KEY).history_id == first
+    better = store.record(KEY, Strategy(draft_length=3), ResultMetrics(score=7.0), supersedes=old)
+    assert store.best(KEY).history_id == better
+    assert [e.score for e in store.history(KEY)] == [20.0, 6.0, 5.0, 7.0]
+    assert len(store.list_best()) == 1
+
+
+def test_two_processes_retune_one_route_concurrently(store_url, tmp_path):
+    """Two replicas re-tune the same stored row at once: both history rows stay, the better wins."""
+    with open_storage(store_url) as storage:
+        old = storage.record(KEY, Strategy(draft_length=8), ResultMetrics(score=50.0))
+    go = tmp_path / "go"
+    code = (
+        "import json, os, sys, time\n"
+        "from autotune.storage import ResultMetrics, StrategyKey, open_storage\n"
+        "from search_spaces.strategy import Strategy\n"
+        "url, score, go, old = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])\n"
+        "key = StrategyKey(*json.loads(sys.argv[5]))\n"
+        "storage = open_storage(url)\n"
+        "open(go + '.ready' + sys.argv[2], 'w').close()\n"
+        "while not os.path.exists(go):\n    time.sleep(0.002)\n"
+        "print(storage.record(key, Strategy(draft_length=int(score)), ResultMetrics(score=score), supersedes=old))\n"
+    )
+    key = json.dumps([KEY.model_id, KEY.model_revision, KEY.draft_id, KEY.task, KEY.hardware])
+    procs = [subprocess.Popen([sys.executable, "-c", code, store_url, str(s), str(go), str(old), key], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for s in (3.0, 4.0)]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.ready{s}").exists() for s in (3.0, 4.0)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.01)
+    go.touch()
+    ids = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        ids.append(int(out))
+    with open_storage(store_url) as storage:
+        history, best = storage.history(KEY), storage.best(KEY)
+    assert [e.score for e in history][0] == 50.0 and sorted(e.score for e in history[1:]) == [3.0, 4.0]
+    assert best.score == 4.0 and best.history_id == ids[1]
+
+
 def test_keys_are_independent(store: Storage):
     other_draft = StrategyKey(KEY.model_id, KEY.model_revision, "smollm2-135m", KEY.task, KEY.hardware)
     other_hw = StrategyKey(KEY.model_id, KEY.model_revision, "", KEY.task, "other-cpu")
