@@ -17,8 +17,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    that won on ``race_windows`` further windows decodes for ``confirm_tokens`` tokens (a measured
    trial) and replaces the incumbent only if it measured faster than the incumbent would have on
    the same tokens (plain decoding's measured speed; a speculating incumbent's corrected
-   prediction on that window); otherwise decoding goes back to the incumbent. A decision needs a prediction that
-   survived fresh data and a measurement, so one lucky window never switches.
+   prediction on that window) and than the incumbent's own latest rounds; otherwise decoding
+   goes back to the incumbent. A decision needs a prediction that survived fresh data and a
+   measurement, so one lucky window never switches.
 3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
    measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
@@ -466,9 +467,9 @@ class OnlineTuner:
     def _decide(self, decoder: Decoder, tokens: list[int]) -> None:
         """End a measured trial: the challenger replaces the incumbent if it decoded faster than
         the incumbent would have on the same tokens - plain decoding's measured speed, or a
-        speculating incumbent's corrected prediction on the window the challenger just decoded
-        (how fast a drafter goes depends on the text: measured speeds of two stretches of text
-        are not comparable); otherwise decoding goes back to the incumbent."""
+        speculating incumbent's corrected prediction on the window the challenger just decoded -
+        and than the incumbent's own measured speed over its latest rounds; otherwise decoding
+        goes back to the incumbent."""
         ch, inc = self.challenger, self.incumbent
         assert ch is not None
         self.challenger = None
@@ -477,7 +478,10 @@ class OnlineTuner:
         if inc.strategy.speculates:
             same_text = self._incumbent_score(decoder, tokens)
             self._window_at = len(tokens)  # the window just scored is the latest (trials reuse its matches)
-        bar = same_text or inc.recent_tps or inc.predicted_tps
+        # and not slower than the incumbent measured lately: how fast a drafter goes depends on
+        # the text (prompt lookup flies where a completion copies its prompt), so a switch must
+        # win on the same text and against what the incumbent has been doing
+        bar = max(same_text or 0.0, inc.recent_tps or inc.predicted_tps)
         ch.bar_tps = bar
         if (ch.measured_tps or 0.0) > bar:
             self.incumbent = ch
@@ -580,6 +584,7 @@ class OnlineTuner:
             kept.append({
                 "trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": predicted,
                 "measured_tps": measured, "matchness": k.matchness, "tokens": k.tokens, "acceptance": k.acceptance,
+                "bar_tps": k.bar_tps,
                 "ratio": predicted / measured if predicted and measured else None,
             })
         return {
