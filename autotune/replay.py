@@ -1,0 +1,323 @@
+"""``autotune replay``: send a request stream to a running ``autotune serve`` in several modes.
+
+Every request of the stream is sent once per mode (``auto``, ``plain``, ``default`` or a stored
+strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
+(request 0 in every mode, then request 1, ...) so the modes see the same server state, greedily
+(temperature 0) with the completion's token ids returned. :mod:`autotune.replay_report` turns the
+records into the per-category report; the outputs must be identical across modes (exit status 1
+when any differ). Only the server does model work: this is an HTTP client (``httpx``).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from autotune.errors import CliError
+from studies import stream
+from studies.stream import StreamRequest
+
+DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` when the server's per-request override takes it (a choice or a stored id)."""
+    from autotune.serving.protocol import STRATEGY_CHOICES
+
+    if mode in STRATEGY_CHOICES or mode.isdigit():
+        return mode
+    raise CliError(f"unknown mode {mode!r}; modes are {', '.join(STRATEGY_CHOICES)} or a stored strategy id "
+                   "(`autotune strategies list`)")
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``"auto,plain"`` -> ``("auto", "plain")``: known modes, each once, at least one."""
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not modes:
+        raise CliError(f"--mode takes a comma list such as {','.join(DEFAULT_MODES)}, got {text!r}")
+    repeated = [m for i, m in enumerate(modes) if m in modes[:i]]
+    if repeated:
+        raise CliError(f"mode {repeated[0]!r} is listed twice in --mode; list each mode once")
+    return tuple(check_mode(m) for m in modes)
+
+
+def base_url(url: str) -> str:
+    """The server's root URL: ``http://host:port`` (a trailing ``/`` or ``/v1`` dropped)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise CliError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+    root = url.strip().rstrip("/")
+    return root.removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """Where to send the stream and how; ``model=None`` takes the server's one model."""
+
+    url: str
+    model: str | None = None
+    modes: tuple[str, ...] = DEFAULT_MODES
+    concurrency: int = 1
+    max_tokens: int = 96
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", base_url(self.url))
+        object.__setattr__(self, "modes", parse_modes(",".join(self.modes)))
+        for name, value in (("concurrency", self.concurrency), ("max tokens", self.max_tokens)):
+            if value < 1:
+                raise CliError(f"{name} must be at least 1, got {value}")
+        if self.timeout_s <= 0:
+            raise CliError(f"timeout must be above 0 seconds, got {self.timeout_s}")
+
+
+def schedule(n_requests: int, modes: Sequence[str]) -> list[tuple[int, str]]:
+    """(request index, mode) in sending order: every mode of request i before request i + 1."""
+    return [(index, mode) for index in range(n_requests) for mode in modes]
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    """One response: which request, in which mode, and the server's ``autotune`` figures."""
+
+    index: int
+    category: str
+    mode: str
+    prompt_id: str
+    completion_tokens: int
+    route: str | None
+    distance: float | None
+    strategy: str
+    state: str
+    drafted: int
+    accepted: int
+    draft_rounds: int
+    tokens_per_s: float
+    ttft_s: float
+    latency_s: float
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
+        info = body.get("autotune")
+        if not isinstance(info, dict) or "token_ids" not in info:
+            raise CliError(f"request {request.index} ({mode}): the response has no autotune object with token ids; "
+                           "is the server `autotune serve`?")
+        try:
+            return cls(
+                index=request.index, category=request.category, mode=mode, prompt_id=request.prompt.id,
+                completion_tokens=int(body["usage"]["completion_tokens"]), route=info.get("route"),
+                distance=info.get("distance"), strategy=str(info["strategy"]), state=str(info.get("state", "stored")),
+                drafted=int(info["drafted"]), accepted=int(info["accepted"]), draft_rounds=int(info["draft_rounds"]),
+                tokens_per_s=float(info["tokens_per_s"]), ttft_s=float(info["ttft_s"]),
+                latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "
+                           "is the server `autotune serve`?") from None
+
+    @property
+    def decode_s(self) -> float:
+        """The decoder's time on this request (tokens / its tok/s): queueing and HTTP left out."""
+        return self.completion_tokens / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "token_ids": list(self.token_ids), "decode_s": self.decode_s}
+
+
+def _httpx() -> Any:
+    try:
+        import httpx
+    except ImportError:
+        raise CliError("autotune replay needs the httpx package; run `pip install httpx`") from None
+    return httpx
+
+
+def _body(response: Any, what: str) -> Any:
+    """The JSON body of a 200 response, or a CliError naming ``what`` was asked."""
+    try:
+        return response.json()
+    except ValueError:
+        raise CliError(f"{what} answered with something other than JSON; is --url an `autotune serve` server?") from None
+
+
+class ReplayClient:
+    """The HTTP side: the server's model name, one chat request per (request, mode), /health."""
+
+    def __init__(self, settings: ReplaySettings, transport: Any = None) -> None:
+        """``transport``: an ``httpx`` transport to send through instead of the network (tests)."""
+        httpx = _httpx()
+        self.settings = settings
+        self.http = httpx.Client(base_url=settings.url, timeout=settings.timeout_s, transport=transport)
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+
+    def _get(self, path: str) -> Any:
+        httpx = _httpx()
+        try:
+            response = self.http.get(path)
+        except httpx.HTTPError as exc:
+            raise CliError(f"cannot reach autotune serve at {self.settings.url} ({type(exc).__name__}); "
+                           "start it with `autotune serve` or check --url") from None
+        if response.status_code != 200:
+            raise CliError(f"GET {self.settings.url}{path} answered HTTP {response.status_code}; "
+                           "is --url an `autotune serve` server?")
+        return _body(response, f"GET {self.settings.url}{path}")
+
+    def model_name(self) -> str:
+        """``settings.model``, or the one model the server lists (this also checks it is reachable)."""
+        listing = self._get("/v1/models")
+        data = listing.get("data") if isinstance(listing, dict) else None
+        names = [m.get("id") for m in data or [] if isinstance(m, dict)]
+        if self.settings.model is not None:
+            return self.settings.model
+        if not names or not isinstance(names[0], str):
+            raise CliError(f"{self.settings.url}/v1/models lists no model; pass --model NAME")
+        return names[0]
+
+    def route_retunes(self) -> dict[str, int] | None:
+        """Re-tunes per route from GET /health (``serve --adaptive``); None when it reports none."""
+        health = self._get("/health")
+        routes = health.get("routes") if isinstance(health, dict) else None
+        if not isinstance(routes, dict):
+            return None
+        return {str(r): int(v.get("retunes") or 0) for r, v in routes.items() if isinstance(v, dict)}
+
+    def chat(self, model: str, request: StreamRequest, mode: str) -> ReplayRecord:
+        httpx = _httpx()
+        assert request.prompt.messages is not None  # guaranteed by StreamRequest
+        body = {"model": model, "messages": [{"role": r, "content": c} for r, c in request.prompt.messages],
+                "max_tokens": self.settings.max_tokens, "temperature": 0,
+                "autotune": {"strategy": mode, "return_token_ids": True}}
+        try:
+            response = self.http.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise CliError(f"request {request.index} ({mode}) to {self.settings.url} failed "
+                           f"({type(exc).__name__}: {exc}); is the server still up?") from None
+        if response.status_code != 200:
+            raise CliError(f"request {request.index} ({request.prompt.id}, mode {mode}) answered HTTP "
+                           f"{response.status_code}: {_error_message(response)}")
+        return ReplayRecord.from_response(request, mode, _body(response, f"request {request.index} ({mode})"))
+
+
+def _error_message(response: Any) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200].replace("\n", " ")
+
+
+Send = Callable[[StreamRequest, str], ReplayRecord]
+
+
+def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, concurrency: int = 1,
+           progress: Callable[[ReplayRecord], None] | None = None) -> list[ReplayRecord]:
+    """Send every (request, mode) of :func:`schedule` with ``send``, ``concurrency`` at a time (sent in
+    schedule order); the records in schedule order."""
+    order = [(requests[i], mode) for i, mode in schedule(len(requests), modes)]
+    if concurrency == 1:
+        return [_noted(send(r, m), progress) for r, m in order]
+    with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(lambda rm: _noted(send(*rm), progress), order))
+
+
+def _noted(record: ReplayRecord, progress: Callable[[ReplayRecord], None] | None) -> ReplayRecord:
+    if progress is not None:
+        progress(record)
+    return record
+
+
+# ---------------------------------------------------------------------- command line
+def add_replay_parser(sub: Any) -> None:
+    """Register ``replay`` on the top-level sub-parser action."""
+    p = sub.add_parser("replay", help="send a request stream (e.g. the shifting `mixed` workload) to `autotune "
+                                      "serve` in several modes; report speed per category and check outputs agree")
+    p.add_argument("--stream", required=True, help="mixed (blocks of several tasks, shifting order) or a .jsonl file "
+                                                   "of {category, messages | prompt} rows")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the one the server lists)")
+    p.add_argument("--mode", default=",".join(DEFAULT_MODES), help="comma list of auto, plain, default or stored "
+                   f"strategy ids; each request is sent in every mode (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--concurrency", type=int, help=f"requests in flight at once (default {ReplaySettings.concurrency})")
+    p.add_argument("--max-tokens", type=int, help=f"completion tokens per request (default {ReplaySettings.max_tokens})")
+    p.add_argument("--limit", type=int, help="send only the stream's first N requests")
+    p.add_argument("--timeout", type=float, help=f"seconds to wait for one response (default {ReplaySettings.timeout_s:g})")
+    mixed = p.add_argument_group("the mixed stream")
+    mixed.add_argument("--tasks", help=f"comma list of tasks (default {','.join(stream.DEFAULT_MIXED_TASKS)})")
+    mixed.add_argument("--block", type=int, help=f"requests in a row from one task (default {stream.DEFAULT_BLOCK})")
+    mixed.add_argument("--blocks-per-task", type=int,
+                       help=f"blocks of each task = rounds of shifting order (default {stream.DEFAULT_BLOCKS_PER_TASK})")
+    mixed.add_argument("--offset", type=int, help="first prompt of each task, to keep apart from the prompts a study "
+                       f"tuned on (default {stream.DEFAULT_OFFSET})")
+    mixed.add_argument("--seed", type=int, help=f"seed of the round orders (default {stream.DEFAULT_SEED})")
+    p.add_argument("--json", dest="json_out", type=Path, help="write the report (and every record) to this file")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw tok/s per request over the stream")
+
+
+def _stream_options(args: argparse.Namespace) -> dict[str, Any]:
+    given = {"block": args.block, "blocks_per_task": args.blocks_per_task, "offset": args.offset, "seed": args.seed}
+    options = {k: v for k, v in given.items() if v is not None}
+    if args.tasks is not None:
+        options["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    return options
+
+
+def stream_from_args(args: argparse.Namespace) -> list[StreamRequest]:
+    """The stream ``--stream`` names, cut to ``--limit``."""
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"--limit must be at least 1, got {args.limit}")
+    requests = stream.load_stream(args.stream, **_stream_options(args))
+    return requests[: args.limit] if args.limit is not None else requests
+
+
+class Progress:
+    """``replay 12/72`` on one refreshed stderr line while stderr is a terminal; silent otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.shown = total, 0, sys.stderr.isatty()
+        self.lock = threading.Lock()
+
+    def __call__(self, record: ReplayRecord) -> None:
+        with self.lock:
+            self.done += 1
+            if self.shown:
+                end = "\n" if self.done == self.total else ""
+                print(f"\rreplay {self.done}/{self.total} ({record.category}, {record.mode})\033[K",
+                      end=end, file=sys.stderr, flush=True)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from autotune.replay_report import aggregate, format_table, write_json
+
+    given = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "timeout_s": args.timeout}
+    settings = ReplaySettings(url=args.url, model=args.model, modes=parse_modes(args.mode),
+                              **{k: v for k, v in given.items() if v is not None})  # the rest: ReplaySettings' defaults
+    requests = stream_from_args(args)
+    with ReplayClient(settings) as client:
+        model = client.model_name()
+        progress = Progress(len(requests) * len(settings.modes))
+        records = replay(requests, settings.modes, lambda r, m: client.chat(model, r, m), settings.concurrency,
+                         progress)
+        retunes = client.route_retunes()
+    report = aggregate(records, settings.modes, retunes)
+    report["config"] = {"stream": args.stream, "url": settings.url, "model": model, "modes": list(settings.modes),
+                        "requests": len(requests), "max_tokens": settings.max_tokens,
+                        "concurrency": settings.concurrency, **_stream_options(args)}
+    print(format_table(report))
+    if args.json_out:
+        write_json(report, records, args.json_out)
+    if args.plot:
+        from autotune.replay_report import replay_plot
+
+        print(f"plot: {replay_plot(records, settings.modes, args.plot)}")
+    return 1 if report["identical"]["differ"] else 0

@@ -1,0 +1,203 @@
+"""The report of an ``autotune replay`` run: figures per category and mode, the identical-output
+check across modes, a rich table, the JSON file and the tok/s-over-the-stream plot.
+
+Everything here is a pure function of :class:`autotune.replay.ReplayRecord` values (no server):
+tok/s is total completion tokens / total decode time (each request's tokens over its tok/s),
+acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts),
+switches count changes of the strategy label between consecutive requests of a category, and
+tuning counts requests answered while their route re-tuned.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from autotune.replay import ReplayRecord
+
+ALL = "all"
+"""The category name of the rows over the whole stream."""
+
+
+def categories(records: Sequence[ReplayRecord]) -> list[str]:
+    """Categories in the order the stream first reaches them."""
+    seen: dict[str, None] = {}
+    for record in sorted(records, key=lambda r: r.index):
+        seen.setdefault(record.category, None)
+    return list(seen)
+
+
+def switches(records: Sequence[ReplayRecord]) -> int:
+    """Changes of the strategy label between consecutive requests of each category, summed."""
+    labels: dict[str, list[str]] = defaultdict(list)
+    for record in sorted(records, key=lambda r: r.index):
+        labels[record.category].append(record.strategy)
+    return sum(sum(a != b for a, b in zip(seq, seq[1:])) for seq in labels.values())
+
+
+def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
+    """The figures of one group of records (one mode; one category or all)."""
+    tokens = sum(r.completion_tokens for r in records)
+    decode_s = sum(r.decode_s for r in records)
+    drafted, accepted = sum(r.drafted for r in records), sum(r.accepted for r in records)
+    rounds = sum(r.draft_rounds for r in records)
+    routes = Counter(str(r.route) for r in records)
+    n = len(records)
+    return {
+        "requests": n, "completion_tokens": tokens, "decode_s": decode_s,
+        "tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
+        "drafted": drafted, "accepted": accepted, "draft_rounds": rounds,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "mean_accepted": (accepted + rounds) / rounds if rounds else 1.0,
+        "route": routes.most_common(1)[0][0] if routes else None, "routes": dict(routes.most_common()),
+        "strategies": dict(Counter(r.strategy for r in records).most_common()),
+        "switches": switches(records), "tuning_requests": sum(r.state == "tuning" for r in records),
+        "mean_ttft_s": sum(r.ttft_s for r in records) / n if n else 0.0,
+        "mean_latency_s": sum(r.latency_s for r in records) / n if n else 0.0,
+    }
+
+
+def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str, Any]:
+    """Per request: whether every mode returned the same token ids (requests some mode lacks count
+    as differing)."""
+    outputs: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
+    for record in records:
+        outputs[record.index][record.mode] = record.token_ids
+    differing = sorted(i for i, by_mode in outputs.items()
+                       if set(by_mode) != set(modes) or len(set(by_mode.values())) > 1)
+    return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
+
+
+def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
+              route_retunes: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The report: one row per (category, mode) and per mode over the whole stream (category
+    :data:`ALL`), the identical-output check, and the server's re-tunes per route when it reported them."""
+    same = identical(records, modes)
+    bad = set(same["differing"])
+    rows = []
+    for category in [*categories(records), ALL]:
+        of_category = [r for r in records if category in (ALL, r.category)]
+        differ = len({r.index for r in of_category if r.index in bad})
+        for mode in modes:
+            stats = group_stats([r for r in of_category if r.mode == mode])
+            rows.append({"category": category, "mode": mode, **stats, "differ": differ})
+    return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
+            "route_retunes": dict(route_retunes) if route_retunes is not None else None}
+
+
+def row(report: Mapping[str, Any], category: str, mode: str) -> dict[str, Any]:
+    """The report's row for ``category`` (or :data:`ALL`) in ``mode``."""
+    for r in report["rows"]:
+        if r["category"] == category and r["mode"] == mode:
+            return r
+    raise KeyError(f"no row for category {category!r} in mode {mode!r}")
+
+
+def _route_text(r: Mapping[str, Any]) -> str:
+    """The most common route, and how many others were taken (over the whole stream: how many routes)."""
+    n = len(r["routes"])
+    if r["category"] == ALL and n > 1:
+        return f"{n} routes"
+    return f"{r['route']}" + (f" (+{n - 1})" if n > 1 else "")
+
+
+def _verdict(same: Mapping[str, Any]) -> str:
+    if len(same["modes"]) < 2:
+        return "outputs: one mode, nothing to compare"
+    if not same["differ"]:
+        return f"outputs: identical across {', '.join(same['modes'])} on all {same['requests']} requests"
+    shown = ", ".join(map(str, same["differing"][:10])) + (" ..." if same["differ"] > 10 else "")
+    return f"outputs: {same['differ']} of {same['requests']} requests DIFFER across modes (requests {shown})"
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = report.get("config") or {}
+    title = "replay" + (f" {cfg['stream']} on {cfg['url']}" if cfg else "")
+    table = Table(title=title, caption=_caption(report))
+    for col in ("category", "mode", "requests", "tok/s", "acceptance", "M", "route", "switches", "tuning", "differ"):
+        table.add_column(col, justify="left" if col in ("category", "mode", "route") else "right")
+    for r in report["rows"]:
+        table.add_row(r["category"], r["mode"], str(r["requests"]), f"{r['tokens_per_s']:.2f}",
+                      f"{r['acceptance']:.2f}", f"{r['mean_accepted']:.2f}", _route_text(r), str(r["switches"]),
+                      str(r["tuning_requests"]), str(r["differ"]),
+                      end_section=r["mode"] == report["modes"][-1])
+    console = Console(width=140, record=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()
+
+
+def _caption(report: Mapping[str, Any]) -> str:
+    lines = [_verdict(report["identical"])]
+    retunes = report.get("route_retunes")
+    if retunes is not None:
+        per_route = ", ".join(f"{route} {n}" for route, n in sorted(retunes.items()) if n) or "none"
+        lines.append(f"server re-tunes per route: {per_route}")
+    return "\n".join(lines)
+
+
+def write_json(report: Mapping[str, Any], records: Sequence[ReplayRecord], path: Path) -> Path:
+    """The report and every record (token ids included) as one JSON file, replaced whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({**report, "records": [r.as_dict() for r in records]}, indent=2))
+    tmp.replace(path)
+    return path
+
+
+# ---------------------------------------------------------------------- plot
+PLOT_SIZE = (10.0, 4.0)  # inches
+AXES_PX = 760  # about the axes' width in pixels at plots.DPI
+LABEL_PX = 5.5  # about one character of a 7-point band label in pixels
+def category_bands(records: Sequence[ReplayRecord]) -> list[tuple[str, int, int]]:
+    """(category, first index, last index) of each run of consecutive requests of one category."""
+    bands: list[tuple[str, int, int]] = []
+    for index, category in sorted({(r.index, r.category) for r in records}):
+        if bands and bands[-1][0] == category and bands[-1][2] == index - 1:
+            bands[-1] = (category, bands[-1][1], index)
+        else:
+            bands.append((category, index, index))
+    return bands
+
+
+def replay_plot(records: Sequence[ReplayRecord], modes: Sequence[str], path: Path | str) -> Path:
+    """Tok/s of each request over the stream, one line per mode, on shaded bands labelled by
+    category (as SWIFT's figure 7 shows speed over a stream of changing tasks)."""
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from autotune.plots import DPI, _note, _save
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    palette = colormaps["Pastel1"]
+    shade = {c: palette(i % palette.N) for i, c in enumerate(categories(records))}
+    bands = category_bands(records)
+    span = max((stop for _, _, stop in bands), default=0) + 1
+    for category, start, stop in bands:
+        ax.axvspan(start - 0.5, stop + 0.5, color=shade[category], alpha=0.6, linewidth=0)
+        narrow = len(category) * LABEL_PX > (stop - start + 1) / span * AXES_PX  # the label would spill over
+        ax.text((start + stop) / 2, 0.98, category, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                rotation=90 if narrow else 0, fontsize=7, color="0.25")
+    for mode in modes:
+        points = sorted((r.index, r.tokens_per_s) for r in records if r.mode == mode)
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=2.5, linewidth=1.2, label=mode)
+    ax.set_xlabel("request (stream order)")
+    ax.set_ylabel("tok/s")
+    top = max((r.tokens_per_s for r in records), default=0.0)
+    ax.set_ylim(0, top * 1.3 if top > 0 else 1.0)  # headroom for the band labels
+    ax.grid(axis="y", alpha=0.3)
+    if records:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="mode", title_fontsize=8)
+        ax.set_title("tok/s per request over the stream", fontsize=10)
+    else:
+        _note(ax, "no requests were replayed")
+    return _save(fig, path)

@@ -1,0 +1,319 @@
+"""`autotune replay`: the schedule, the report's arithmetic, the plot and the command's errors (no
+model: a fake server answers through an httpx mock transport), and one slow run against a real
+`autotune serve` on loopback."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import autotune.cli
+import autotune.replay
+from autotune.errors import CliError
+from autotune.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
+from autotune.replay_report import aggregate, category_bands, format_table, identical, replay_plot, row, switches
+from studies import Prompt, StreamRequest, write_stream
+
+
+def _request(index: int, category: str, text: str = "") -> StreamRequest:
+    body = text or f"{category} question {index}"
+    return StreamRequest(index, category, Prompt(id=f"{category}/{index}", messages=(("user", body),)))
+
+
+def _record(index: int, category: str, mode: str, **kw: Any) -> ReplayRecord:
+    fields = dict(index=index, category=category, mode=mode, prompt_id=f"{category}/{index}", completion_tokens=10,
+                  route=category, distance=0.1, strategy="plain" if mode == "plain" else "3", state="stored",
+                  drafted=0, accepted=0, draft_rounds=0, tokens_per_s=10.0, ttft_s=0.05, latency_s=1.0,
+                  token_ids=(1, 2, 3))
+    return ReplayRecord(**{**fields, **kw})
+
+
+# ---------------------------------------------------------------------- pure parts
+def test_schedule_interleaves_modes_per_request() -> None:
+    assert schedule(3, ("auto", "plain")) == [(0, "auto"), (0, "plain"), (1, "auto"), (1, "plain"), (2, "auto"),
+                                              (2, "plain")]
+    assert schedule(0, ("auto",)) == []
+
+
+def test_replay_sends_in_schedule_order() -> None:
+    requests = [_request(i, "a") for i in range(3)]
+    sent: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def send(request: StreamRequest, mode: str) -> ReplayRecord:
+        with lock:
+            sent.append((request.index, mode))
+        return _record(request.index, request.category, mode)
+
+    records = replay(requests, ("auto", "plain", "default"), send)
+    assert sent == schedule(3, ("auto", "plain", "default"))
+    assert [(r.index, r.mode) for r in records] == sent
+    concurrent = replay(requests, ("auto", "plain"), send, concurrency=3)
+    assert [(r.index, r.mode) for r in concurrent] == schedule(3, ("auto", "plain"))  # results in schedule order
+
+
+def test_modes_and_urls() -> None:
+    assert parse_modes("auto, plain,12") == ("auto", "plain", "12")
+    for bad, needle in [("auto,fast", "unknown mode 'fast'"), ("auto,auto", "listed twice"), (" , ", "comma list")]:
+        with pytest.raises(CliError, match=needle):
+            parse_modes(bad)
+    assert base_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
+    with pytest.raises(CliError, match="--url must be an http"):
+        base_url("127.0.0.1:8000")
+    with pytest.raises(CliError, match="concurrency must be at least 1"):
+        ReplaySettings(url="http://x", concurrency=0)
+
+
+def test_aggregate_math() -> None:
+    records = [
+        _record(0, "code", "auto", completion_tokens=20, tokens_per_s=40.0, drafted=12, accepted=9, draft_rounds=3),
+        _record(1, "code", "auto", completion_tokens=10, tokens_per_s=20.0, drafted=8, accepted=3, draft_rounds=2,
+                strategy="tuning", state="tuning", route="other"),
+        _record(2, "chat", "auto", completion_tokens=30, tokens_per_s=30.0),
+        *[_record(i, c, "plain", completion_tokens=n, tokens_per_s=10.0)
+          for i, c, n in ((0, "code", 20), (1, "code", 10), (2, "chat", 30))],
+    ]
+    report = aggregate(records, ("auto", "plain"), {"code": 1, "chat": 0})
+    assert report["categories"] == ["code", "chat"] and len(report["rows"]) == 6
+    code = row(report, "code", "auto")
+    assert code["requests"] == 2 and code["completion_tokens"] == 30
+    assert code["decode_s"] == pytest.approx(0.5 + 0.5) and code["tokens_per_s"] == pytest.approx(30.0)
+    assert code["acceptance"] == pytest.approx(12 / 20) and code["mean_accepted"] == pytest.approx((12 + 5) / 5)
+    assert code["route"] == "code" and code["routes"] == {"code": 1, "other": 1}
+    assert code["switches"] == 1 and code["tuning_requests"] == 1
+    assert row(report, "chat", "auto")["mean_accepted"] == 1.0  # nothing drafted
+    everything = row(report, "all", "auto")
+    assert everything["tokens_per_s"] == pytest.approx(60 / 2.0) and everything["switches"] == 1
+    assert row(report, "all", "plain")["tokens_per_s"] == pytest.approx(10.0)
+    assert report["identical"] == {"requests": 3, "modes": ["auto", "plain"], "differ": 0, "differing": []}
+    assert report["route_retunes"] == {"code": 1, "chat": 0}
+    table = format_table(report)
+    assert "identical across auto, plain on all 3 requests" in table and "code 1" in table
+
+
+def test_switches_count_label_changes_per_category() -> None:
+    labels = ["3", "3", "plain", "tuning", "tuning", "5"]
+    records = [_record(i, "a", "auto", strategy=s) for i, s in enumerate(labels)]
+    records += [_record(10 + i, "b", "auto", strategy=s) for i, s in enumerate(["1", "2"])]
+    assert switches(records) == 3 + 1
+    assert switches(list(reversed(records))) == 4  # ordered by stream index, not by arrival
+
+
+def test_identical_check() -> None:
+    records = [_record(i, "a", m) for i in range(3) for m in ("auto", "plain")]
+    records[3] = _record(1, "a", "plain", token_ids=(1, 2, 4))
+    records.append(_record(3, "b", "auto"))  # no plain answer for request 3
+    same = identical(records, ("auto", "plain"))
+    assert same["differ"] == 2 and same["differing"] == [1, 3]
+    report = aggregate(records, ("auto", "plain"))
+    assert row(report, "a", "plain")["differ"] == 1 and row(report, "all", "auto")["differ"] == 2
+    assert "2 of 4 requests DIFFER" in format_table(report)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    records = [_record(i, c, m, tokens_per_s=10.0 + i + (5 if m == "auto" else 0))
+               for i, c in enumerate(["code"] * 3 + ["chat"] * 2 + ["code"] * 3) for m in ("auto", "plain")]
+    assert category_bands(records) == [("code", 0, 2), ("chat", 3, 4), ("code", 5, 7)]
+    path = replay_plot(records, ("auto", "plain"), tmp_path / "plots" / "stream.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    from matplotlib.image import imread
+
+    pixels = imread(path)
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 800 and pixels.std() > 0.05
+    empty = replay_plot([], ("auto",), tmp_path / "empty.png")
+    assert empty.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------- the command, on a fake server
+def fake_server(differ_mode: str | None = None, health_routes: dict | None = None) -> httpx.MockTransport:
+    """Answers like `autotune serve`: token ids from the prompt (changed in ``differ_mode``)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", **({"routes": health_routes} if health_routes else {})})
+        body = json.loads(request.content)
+        assert body["temperature"] == 0 and body["model"] == "fake-model"
+        mode = body["autotune"]["strategy"]
+        assert body["autotune"]["return_token_ids"] is True
+        content = body["messages"][-1]["content"]
+        ids = [len(content), body["max_tokens"]] + ([99] if mode == differ_mode else [])
+        info = {"route": content.split()[0], "distance": 0.0, "strategy": "plain" if mode == "plain" else "4",
+                "state": "stored", "drafted": 6, "accepted": 4, "draft_rounds": 2, "mean_accepted": 3.0,
+                "tokens_per_s": 50.0 if mode == "auto" else 25.0, "ttft_s": 0.01, "latency_s": 0.1, "token_ids": ids}
+        return httpx.Response(200, json={"choices": [{"message": {"content": "x"}}], "autotune": info,
+                                         "usage": {"completion_tokens": len(ids)}})
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.fixture
+def stream_file(tmp_path: Path) -> Path:
+    requests = [_request(i, c) for i, c in enumerate(["code", "code", "chat", "chat"])]
+    return write_stream(requests, tmp_path / "stream.jsonl")
+
+
+@pytest.fixture
+def quiet_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autotune.cli, "_quiet_libraries", lambda: None)  # no transformers import needed here
+
+
+def _use_fake(monkeypatch: pytest.MonkeyPatch, transport: httpx.MockTransport) -> None:
+    class FakeClient(ReplayClient):
+        def __init__(self, settings: ReplaySettings) -> None:
+            super().__init__(settings, transport=transport)
+
+    monkeypatch.setattr(autotune.replay, "ReplayClient", FakeClient)
+
+
+def test_command_on_fake_server(tmp_path: Path, stream_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    _use_fake(monkeypatch, fake_server(health_routes={"code": {"retunes": 2}}))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    code = autotune.cli.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--max-tokens", "7",
+                              "--json", str(out), "--plot", str(png), "--concurrency", "2"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "identical across auto, plain, default on all 4 requests" in printed
+    assert "server re-tunes per route: code 2" in printed
+    report = json.loads(out.read_text())
+    assert report["config"]["model"] == "fake-model" and report["config"]["requests"] == 4
+    assert len(report["records"]) == 12 and report["records"][0]["token_ids"] == [len("code question 0"), 7]
+    auto = row(report, "all", "auto")
+    assert auto["tokens_per_s"] == pytest.approx(50.0) and auto["mean_accepted"] == pytest.approx(3.0)
+    assert row(report, "chat", "plain")["route"] == "chat" and png.stat().st_size > 10_000
+
+
+def test_command_exit_1_when_outputs_differ(stream_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    _use_fake(monkeypatch, fake_server(differ_mode="plain"))
+    code = autotune.cli.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--limit", "3",
+                              "--mode", "auto,plain"])
+    assert code == 1 and "3 of 3 requests DIFFER" in capsys.readouterr().out
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> None:
+    code = autotune.cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--stream", "mixd"], ["unknown stream 'mixd'", "mixed"]),
+        (["--stream", "/nonexistent/stream.jsonl"], ["unknown stream '/nonexistent/stream.jsonl'"]),
+        (["--stream", "mixed", "--tasks", "humaneval,gsm9k"], ["unknown task 'gsm9k'"]),
+        (["--stream", "STREAM", "--mode", "auto,turbo"], ["unknown mode 'turbo'"]),
+        (["--stream", "STREAM", "--limit", "0"], ["--limit must be at least 1"]),
+        (["--stream", "STREAM", "--block", "2"], ["only apply to a named stream"]),
+        (["--stream", "STREAM", "--url", "ftp://x"], ["--url must be an http(s) URL"]),
+        (["--stream", "STREAM", "--url", "http://127.0.0.1:9"], ["cannot reach autotune serve at http://127.0.0.1:9"]),
+    ],
+)
+def test_bad_input_one_line_exit_2(extra: list[str], needles: list[str], stream_file: Path,
+                                   capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    args = [str(stream_file) if a == "STREAM" else a for a in extra]
+    if "--url" not in args:
+        args += ["--url", "http://127.0.0.1:9"]
+    _one_line_error(capsys, ["replay", *args], *needles)
+
+
+def test_bad_server_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                           quiet_cli: None) -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(400, json={"error": {"message": "'max_tokens': too many"}})
+
+    _use_fake(monkeypatch, httpx.MockTransport(handle))
+    _one_line_error(capsys, ["replay", "--stream", str(stream_file), "--url", "http://fake:1"],
+                    "request 0 (code/0, mode auto) answered HTTP 400: 'max_tokens': too many")
+
+
+def test_not_json_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                         quiet_cli: None) -> None:
+    _use_fake(monkeypatch, httpx.MockTransport(lambda request: httpx.Response(200, text="<html>hello</html>")))
+    _one_line_error(capsys, ["replay", "--stream", str(stream_file), "--url", "http://fake:1/v1"],
+                    "GET http://fake:1/v1/models answered with something other than JSON")
+
+
+# ---------------------------------------------------------------------- slow: a real server
+class LiveServer:
+    """uvicorn serving the app in a thread, on a free loopback port (as in test_serve.py)."""
+
+    def __init__(self, server: Any, refresh_s: float = 3600.0) -> None:
+        import uvicorn
+
+        from autotune.serving.server import make_app
+
+        self.server = server
+        self.uv = uvicorn.Server(uvicorn.Config(make_app(server, refresh_s), host="127.0.0.1", port=0,
+                                                log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.uv.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        port = self.uv.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uv.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.mark.slow
+def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotune.records import ResultMetrics
+    from autotune.resolve import strategy_key
+    from autotune.serving.server import ServeConfig, build_server
+    from autotune.storage import open_storage
+    from search_spaces.layer_plan import uniform_skip_plan
+    from search_spaces.strategy import Strategy
+    from studies import load_prompts, routing_text
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    n = smollm.hf_model.config.num_hidden_layers
+    tuned = {"gsm8k": Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(n, 0.2)),
+             "humaneval": Strategy(drafter="prompt-lookup", draft_length=6)}
+    out, png = tmp_path / "replay.json", tmp_path / "replay.png"
+    with open_storage(url) as storage:
+        for task, strategy in tuned.items():
+            texts = [routing_text(p) for p in load_prompts(task, None, 12)]
+            storage.record(strategy_key(smollm, None, task, "cpu"), strategy, ResultMetrics.from_throughput(20.0),
+                           prompts=texts)
+        server = build_server(ServeConfig(model="smollm2-135m", storage=url), storage, pool=pool)
+        with LiveServer(server) as live:
+            code = autotune.cli.main([
+                "replay", "--stream", "mixed", "--tasks", "gsm8k,humaneval", "--block", "2", "--blocks-per-task", "1",
+                "--url", live.url, "--mode", "auto,plain", "--max-tokens", "12", "--json", str(out), "--plot", str(png),
+            ])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    assert report["identical"] == {"requests": 4, "modes": ["auto", "plain"], "differ": 0, "differing": []}
+    assert sorted(report["categories"]) == ["gsm8k", "humaneval"] and len(report["records"]) == 8
+    assert len(report["rows"]) == 3 * 2  # two categories and all, each in both modes
+    for task in tuned:
+        auto, plain = row(report, task, "auto"), row(report, task, "plain")
+        assert auto["requests"] == plain["requests"] == 2
+        assert auto["route"] == task and set(auto["strategies"]) != {"plain"} and auto["switches"] == 0
+        assert set(plain["strategies"]) == {"plain"} and plain["drafted"] == 0
+        assert auto["tokens_per_s"] > 0 and plain["tokens_per_s"] > 0 and auto["completion_tokens"] > 0
+    assert all(len(r["token_ids"]) <= 12 for r in report["records"])
+    assert "identical across auto, plain on all 4 requests" in printed and png.stat().st_size > 10_000
