@@ -8,7 +8,8 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    +-2, threshold +-0.1, enqueued at each window; they reuse the window's matchness, so they cost
    almost nothing), otherwise random search, and every ``beta``-th trial a Bayesian sampler
    (GPSampler, or TPE for conditional spaces) - predicts the candidate's
-   tokens/s - matchness on the last ``window`` tokens in one forward of its drafting model (or a
+   tokens/s - matchness on the latest window scored (``window`` tokens; cached until the next
+   window, across prompts for the plans scored there) in one forward of its drafting model (or a
    replay of prompt lookup on them), turned into time by the measured cost model, times the
    strategy's correction (below) - and tells the study. A candidate predicted ``switch_margin``
    faster than the incumbent *on the same window* joins the race.
@@ -19,7 +20,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    the same tokens (plain decoding's measured speed; a speculating incumbent's corrected
    prediction on that window) and than the incumbent's own latest rounds; otherwise decoding
    goes back to the incumbent. A decision needs a prediction that survived fresh data and a
-   measurement, so one lucky window never switches.
+   measurement, so one lucky window never switches. A kept strategy stays on probation: once
+   it decoded ``probation_tokens`` and measured slower, over everything it decoded, than the
+   incumbent it replaced, decoding reverts to that one (measured data only, no cost).
 3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
    measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
@@ -77,13 +80,16 @@ class TunerSettings:
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
     race_windows: int = 1  # further windows a racer must win before its measured trial
     confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
+    # a kept strategy that decoded this many tokens and measured slower than the one it replaced
+    # (over everything each decoded) is reverted: a measured trial is one stretch of text
+    probation_tokens: int = 128
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 24  # ... and at least this many trials ran
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "race_windows",
-                     "confirm_tokens", "stop_windows", "min_trials"):
+                     "confirm_tokens", "probation_tokens", "stop_windows", "min_trials"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SpaceError(f"tuner setting {name}={value!r} must be a positive integer")
@@ -114,6 +120,7 @@ class Kept:
     raw_tps: float = 0.0  # its uncorrected prediction on the latest window it was scored on
     raws: list[float] = field(default_factory=list)  # uncorrected predictions on the windows it raced / decoded
     bar_tps: float | None = None  # a measured trial's bar: the incumbent's speed on the same tokens
+    replaced: "Kept | None" = None  # the incumbent it replaced (what its probation compares with)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
 
     @property
@@ -186,6 +193,8 @@ def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tok
     identity = plan is None or plan.is_identity
     key = (strategy.drafter, None if identity else plan)
     match = tuner.window_cache.get(key)
+    if match is None and tuner.stale:  # a window of an earlier prompt: its cache holds another sequence
+        return None
     if match is None:
         if identity:  # on standby: its catch-up forward scores the window too
             logits = drafter.sync_scoring(tokens, window)
@@ -251,10 +260,15 @@ class OnlineTuner:
         self.race: dict[Strategy, Racer] = {}
         self.switches: list[int] = []  # trial numbers of the strategies that replaced the incumbent
         self.rejected: list[Kept] = []  # measured trials that lost to the incumbent
+        self.reverted: list[Kept] = []  # kept strategies that then measured slower than what they replaced
         self.corrections: dict[Strategy, float] = {}
         self.window_cache: dict[Any, Match | LookupMatch] = {}  # (kind, plan) -> its match on the window
-        self._cache_at = -1  # sequence length the cached matches were scored at
+        self._cache_for: list[int] = []  # the tokens the cached matches were scored on
         self._window_at = 0  # sequence length of the latest window scored
+        # the tokens of the latest window scored (maybe of an earlier prompt): trials score there;
+        # ``_stale`` once another prompt began (only plans already scored there can be scored)
+        self._scored: list[int] = []
+        self._stale = True
         self._trials_at_window = 0  # trials run before the latest window
         # at the last round: tokens, forwards, draft rounds, verify_s, clock, drafted, accepted
         self._last: tuple[int, int, int, float, float, int, int] | None = None
@@ -275,11 +289,16 @@ class OnlineTuner:
     def running(self) -> Kept:
         return self.challenger or self.incumbent
 
+    @property
+    def stale(self) -> bool:
+        """Whether trials score a window of an earlier prompt (cached plans only)."""
+        return self._stale
+
     def start_prompt(self, prompt_len: int) -> None:
         self._prompt_start = prompt_len
         self._window_at = prompt_len
         self._last = None
-        self.window_cache, self._cache_at = {}, -1  # another sequence: nothing scored yet
+        self._stale = True  # the drafters' caches now hold another sequence
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the prompt's last round to the running strategy; persist the new trials."""
@@ -293,6 +312,7 @@ class OnlineTuner:
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)
+        self._probation(decoder)
         t0 = self.clock()
         self._accrue(t0)
         if not self._applied:  # plain decoding until a candidate beats it on measured time
@@ -311,13 +331,13 @@ class OnlineTuner:
                 return
             if len(tokens) - self._window_at >= self.settings.window:
                 self._new_window(decoder, tokens)
-            if self.state.done or self._window_at <= self._prompt_start:  # no window of this prompt scored yet
+            if self.state.done or not self._scored:
                 return
-            # trials score on the latest window (its matches are cached until the next one), so
-            # between windows a candidate whose plan was scored there costs no forward
-            scored = tokens[: self._window_at]
+            # trials score on the latest window scored (its matches are cached until the next one,
+            # across prompts too), so between windows a candidate whose plan was scored there costs
+            # no forward
             for _ in range(self.settings.trials_per_round):
-                if self.state.done or self.challenger is not None or not self._trial(decoder, scored) \
+                if self.state.done or self.challenger is not None or not self._trial(decoder, self._scored) \
                         or not self._within_budget(t0, self.clock() - t0):
                     break
         finally:
@@ -367,8 +387,8 @@ class OnlineTuner:
     def score(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[float, float, float] | None:
         """-> (corrected tokens/s, raw predicted tokens/s, matchness) of ``strategy`` on the
         latest window, or None when its drafter cannot score there."""
-        if self._cache_at != len(tokens):
-            self.window_cache, self._cache_at = {}, len(tokens)
+        if self._cache_for != tokens:  # another window (or sequence): nothing of it scored yet
+            self.window_cache, self._cache_for = {}, list(tokens)
         got = SCORERS[strategy.drafter](self, decoder, strategy, tokens)
         if got is None:
             return None
@@ -424,6 +444,7 @@ class OnlineTuner:
         if inc.strategy.speculates:
             inc.raws.append(inc.raw_tps)
         self._window_at = len(tokens)
+        self._scored, self._stale = list(tokens), False
         state.windows += 1
         survivors = []
         for racer in list(self.race.values()):
@@ -478,12 +499,14 @@ class OnlineTuner:
         if inc.strategy.speculates:
             same_text = self._incumbent_score(decoder, tokens)
             self._window_at = len(tokens)  # the window just scored is the latest (trials reuse its matches)
+            self._scored, self._stale = list(tokens), False
         # and not slower than the incumbent measured lately: how fast a drafter goes depends on
         # the text (prompt lookup flies where a completion copies its prompt), so a switch must
         # win on the same text and against what the incumbent has been doing
         bar = max(same_text or 0.0, inc.recent_tps or inc.predicted_tps)
         ch.bar_tps = bar
         if (ch.measured_tps or 0.0) > bar:
+            ch.replaced = inc
             self.incumbent = ch
             self.kept.append(ch)
             self.switches.append(ch.trial)
@@ -492,6 +515,22 @@ class OnlineTuner:
         else:
             self.rejected.append(ch)
             decoder.apply(inc.strategy)
+
+    def _probation(self, decoder: Decoder) -> None:
+        """Revert a kept strategy that, over ``probation_tokens`` or more, measured slower than
+        the incumbent it replaced (measured data only: costs nothing)."""
+        inc = self.incumbent
+        prev = inc.replaced
+        if prev is None or self.challenger is not None or inc.tokens < self.settings.probation_tokens:
+            return
+        if (inc.measured_tps or 0.0) >= (prev.measured_tps or 0.0):
+            return
+        inc.bar_tps = prev.measured_tps
+        self.reverted.append(inc)
+        self.incumbent = prev
+        self.switches.append(prev.trial)
+        self.state.stable = 0
+        decoder.apply(prev.strategy)
 
     # ----------------------------------------------------------------- one trial
     def _trial(self, decoder: Decoder, tokens: list[int]) -> bool:
@@ -604,5 +643,10 @@ class OnlineTuner:
                 for k in self.rejected
             ],
             "switches": list(self.switches),
+            "reverted": [
+                {"trial": k.trial, "strategy": k.strategy.to_dict(), "measured_tps": k.measured_tps,
+                 "replaced_tps": k.bar_tps, "tokens": k.tokens}
+                for k in self.reverted
+            ],
             "kept": kept,
         }

@@ -246,6 +246,30 @@ def test_a_challenger_that_measures_slower_goes_back_to_the_incumbent(target):
     assert tuner.summary()["rejected"][0]["measured_tps"] == pytest.approx(lost.measured_tps)
 
 
+class ShiftingClock(SimClock):
+    """Drafting turns expensive after ``after`` target forwards (the text changed under a kept strategy)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__(verify=1.0, draft=0.05)
+        self.after = after
+
+    def __call__(self) -> float:
+        s = self.stats
+        return s.target_forwards * self.verify + s.drafted * (0.05 if s.target_forwards < self.after else 3.0)
+
+
+def test_a_kept_strategy_that_turns_slower_than_what_it_replaced_is_reverted(target):
+    """A measured trial is one stretch of text: a kept strategy stays on probation, and once it
+    measured slower than the incumbent it replaced over its whole stretch, decoding reverts."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
+    out, tuner, _ = self_spec_run(target, seed=8, n_new=96, clock=ShiftingClock(after=30), probation_tokens=12)
+    assert out.tokens == plain
+    assert tuner.reverted, tuner.summary()
+    gone = tuner.reverted[0]
+    assert gone.replaced is not None and gone.measured_tps < gone.replaced.measured_tps
+    assert tuner.summary()["reverted"][0]["measured_tps"] == pytest.approx(gone.measured_tps)
+
+
 def test_a_candidate_must_keep_winning_on_fresh_windows(target):
     """With an impossible margin no candidate races: plain decoding stays, nothing is measured,
     and the incumbent's score is its measured speed on the latest window."""
