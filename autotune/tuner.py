@@ -193,7 +193,7 @@ def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tok
     identity = plan is None or plan.is_identity
     key = (strategy.drafter, None if identity else plan)
     match = tuner.window_cache.get(key)
-    if match is None and tuner.stale:  # a window of an earlier prompt: its cache holds another sequence
+    if match is None and tuner.stale_window(tokens):  # an earlier prompt's: the cache holds another sequence
         return None
     if match is None:
         if identity:  # on standby: its catch-up forward scores the window too
@@ -289,10 +289,10 @@ class OnlineTuner:
     def running(self) -> Kept:
         return self.challenger or self.incumbent
 
-    @property
-    def stale(self) -> bool:
-        """Whether trials score a window of an earlier prompt (cached plans only)."""
-        return self._stale
+    def stale_window(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` is the latest window scored and it belongs to an earlier prompt
+        (then only plans already scored there can be scored)."""
+        return self._stale and tokens is self._scored
 
     def start_prompt(self, prompt_len: int) -> None:
         self._prompt_start = prompt_len

@@ -422,6 +422,27 @@ def test_joint_space_tunes_across_kinds_losslessly(target, draft):
     assert tuner.best.speculates and out.stats.drafted > 0  # a speculating candidate won its measured trial
 
 
+def test_tuning_goes_on_across_prompts(target, draft):
+    """Each prompt starts with the drafters on a new sequence: trials before its first window score
+    the previous prompt's window (plans cached there only), and windows go on being scored."""
+    space = get_space("auto")
+    ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
+    decoder = joint_decoder(target, draft)
+    clock = SimClock(verify=1.0, draft=0.05)
+    settings = TunerSettings(window=8, beta=4, max_trials=500, patience=500, max_share=1.0, trials_per_round=2,
+                             confirm_tokens=8, min_trials=500)
+    tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
+                        FixedCostModel(draft_full_s=0.05, verify_const_s=1.0), settings, clock=clock)
+    seen = []
+    for prompt in (PROMPT, PROMPT[::-1] + [7, 7]):
+        tuner.start_prompt(len(prompt))
+        out = decoder.generate(prompt, GenerationConfig(max_new_tokens=40), before_round=clock.hook(tuner))
+        tuner.end_prompt(prompt + out.tokens, out.stats)
+        assert out.tokens == Decoder(target).generate(prompt, GenerationConfig(max_new_tokens=40)).tokens
+        seen.append((tuner.state.windows, tuner.state.trials))
+    assert seen[1][0] > seen[0][0] and seen[1][1] > seen[0][1]
+
+
 def test_lookup_replay_matches_a_brute_force_count():
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2]
     window, k = 10, 4
