@@ -78,6 +78,7 @@ class TunerSettings:
     # a candidate joins the race when predicted this much faster than the incumbent on the same window
     switch_margin: float = 0.05
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
+    trials_per_window: int = 8  # trials on a window before a fresh one is scored (unless racers wait)
     race_windows: int = 1  # further windows a racer must win before its measured trial
     confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
     # a kept strategy that decoded this many tokens and measured slower than the one it replaced
@@ -88,7 +89,7 @@ class TunerSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "race_windows",
+        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "trials_per_window", "race_windows",
                      "confirm_tokens", "probation_tokens", "stop_windows", "min_trials"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -270,6 +271,7 @@ class OnlineTuner:
         self._scored: list[int] = []
         self._stale = True
         self._trials_at_window = 0  # trials run before the latest window
+        self._asked_at_window = 0  # trials asked on the latest window (failed ones included)
         # at the last round: tokens, forwards, draft rounds, verify_s, clock, drafted, accepted
         self._last: tuple[int, int, int, float, float, int, int] | None = None
         self._prompt_start = 0
@@ -329,7 +331,7 @@ class OnlineTuner:
             if not self._within_budget(t0, 0.0):
                 self.state.skipped_for_budget += 1
                 return
-            if len(tokens) - self._window_at >= self.settings.window:
+            if self._wants_window(tokens):
                 self._new_window(decoder, tokens)
             if self.state.done or not self._scored:
                 return
@@ -349,6 +351,15 @@ class OnlineTuner:
             self._allowance -= spent - spent_calibrating
             if self._last is not None:  # tuning time is not decode time of the running strategy
                 self._last = (*self._last[:4], self._last[4] + spent, *self._last[5:])
+
+    def _wants_window(self, tokens: list[int]) -> bool:
+        """A fresh window is scored (one forward per plan) when ``window`` new tokens are there
+        and it decides something: racers to re-score, no window yet, or ``trials_per_window``
+        trials asked on the latest one (failed ones too: a plan not scored on an earlier prompt's
+        window fails there). Otherwise the allowance goes to trials on the cached window."""
+        if len(tokens) - self._window_at < self.settings.window:
+            return False
+        return bool(self.race) or not self._scored or self._asked_at_window >= self.settings.trials_per_window
 
     def _accrue(self, now: float) -> None:
         """Tuning may use ``max_share`` of the time that passes, divided by 1 + the windows in a
@@ -468,6 +479,7 @@ class OnlineTuner:
         elif state.trials > self._trials_at_window:
             state.stable += 1
         self._trials_at_window = state.trials
+        self._asked_at_window = 0
         if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
             state.done = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
@@ -542,6 +554,7 @@ class OnlineTuner:
         self.study.sampler = self.bayes if use_bayes else self.random
         with torch.enable_grad():  # GP fitting needs autograd
             trial = self.study.ask()
+        self._asked_at_window += 1
         enqueued = "fixed_params" in self.study._storage.get_trial_system_attrs(trial._trial_id)
         try:
             strategy = self.space.define(trial, self.ctx)
