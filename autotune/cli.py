@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from autotune.errors import USER_ERRORS, CliError
 from autotune.replay import add_replay_parser, cmd_replay
 from autotune.report_cmd import add_report_parser, cmd_report
+from autotune.serving.adapt_settings import AdaptSettings as AdaptDefaults
 from autotune.strategies_cmd import add_strategies_parser, cmd_strategies
 
 
@@ -138,6 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
     serve.add_argument("--route-distance", type=float,
                        help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
+    adapt = serve.add_argument_group("adaptive serving (drift detection, re-tuning on live traffic, new routes)")
+    adapt.add_argument("--adaptive", action="store_true",
+                       help="watch each route's acceptance and speed; fall back to plain and re-tune on drift")
+    adapt.add_argument("--acceptance-drop", type=float, default=AdaptDefaults.acceptance_drop,
+                       help="re-tune a route whose acceptance falls below (1 - this) x its stored acceptance "
+                            f"(default {AdaptDefaults.acceptance_drop}, measured)")
+    adapt.add_argument("--retune-requests", type=int, default=AdaptDefaults.retune_requests,
+                       help=f"requests a re-tune decodes with the online tuner (default {AdaptDefaults.retune_requests})")
+    adapt.add_argument("--retune-share", type=float, default=AdaptDefaults.retune_share,
+                       help=f"cap on a re-tune's tuning time, as a share of its decode time "
+                            f"(default {AdaptDefaults.retune_share})")
+    adapt.add_argument("--new-route-requests", type=int, default=AdaptDefaults.new_route_requests,
+                       help="unknown requests that become a new route "
+                            f"(default {AdaptDefaults.new_route_requests})")
     return parser
 
 
@@ -532,9 +547,14 @@ def _ratio_text(stored: dict[str, Any]) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from autotune.serving.server import ServeConfig, serve
 
+    adaptive = AdaptDefaults(
+        acceptance_drop=args.acceptance_drop, retune_requests=args.retune_requests, retune_share=args.retune_share,
+        new_route_requests=args.new_route_requests,
+    ) if args.adaptive else None
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
+        adaptive=adaptive,
     ))
 
 

@@ -66,14 +66,14 @@ class Server:
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
         return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit,
-                   streamed=req.stream), len(ids)
+                   streamed=req.stream, text=routing_text(prompt)), len(ids)
 
 
 def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, Any]:
     """The response's ``autotune`` object (with the completion's token ids when asked for)."""
     s, choice = outcome.stats, job.choice
     out = {
-        "route": choice.route, "distance": choice.distance, "strategy": choice.label,
+        "route": choice.route, "distance": choice.distance, "strategy": choice.label, "state": choice.state,
         "drafted": s.drafted, "accepted": s.accepted, "draft_rounds": s.draft_rounds,
         "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
         "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
@@ -116,7 +116,10 @@ def create_app(server: Server, lifespan: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.name, "queue_depth": server.worker.depth}
+        out = {"status": "ok", "model": server.name, "queue_depth": server.worker.depth}
+        if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
+            out["routes"] = server.worker.adapter.describe()
+        return out
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -39,6 +39,8 @@ class ServingMetrics:
         self.route_distance = Histogram(f"{PREFIX}route_distance", "Cosine distance of auto-routed prompts to their "
                                         "nearest task centroid", route, buckets=DISTANCE_BUCKETS, registry=r)
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting or being decoded", registry=r)
+        self.retunes = Counter(f"{PREFIX}route_retunes", "Re-tunes started on live traffic (drift, or a new route)",
+                               route, registry=r)
         self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
 
     def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float,

@@ -48,6 +48,8 @@ class RouteEntry:
     best_id: int
     strategy: Strategy
     prompts: tuple[str, ...] = ()
+    acceptance: float | None = None  # what the strategy was stored with (drift detection compares)
+    history_id: int | None = None  # the history row the best row came from
 
 
 @dataclass(frozen=True)

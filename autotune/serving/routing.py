@@ -45,7 +45,8 @@ class StrategyBook:
         for best, prompts in self.storage.routes(**self.scope):
             try:
                 entries.append(RouteEntry(task=best.key.task, best_id=best.id, strategy=best.strategy,
-                                          prompts=tuple(prompts)))
+                                          prompts=tuple(prompts), acceptance=best.acceptance,
+                                          history_id=best.history_id))
             except StrategyError as exc:  # a row this version cannot read is skipped, not fatal
                 self.skipped[best.id] = str(exc)
         router = TaskRouter(self.router.threshold)
@@ -84,9 +85,10 @@ class StrategyBook:
             router, general = self.router, self.general
         decision = router.route(text)
         if decision.entry is not None:
-            return Choice(decision.route, decision.entry.strategy, self._label(decision.entry), decision.distance)
+            return Choice(decision.route, decision.entry.strategy, self._label(decision.entry), decision.distance,
+                          decision.entry)
         if general is not None:
-            return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance)
+            return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance, general)
         return Choice(UNKNOWN, PLAIN, "plain", decision.distance)
 
     def _by_id(self, best_id: int) -> Choice:

@@ -32,6 +32,7 @@ class ServeConfig:
     max_queue: int = 64
     route_distance: float | None = None  # None: the router's measured default
     refresh_s: float = REFRESH_S
+    adaptive: Any = None  # ``adaptive.AdaptSettings``: drift detection and re-tuning on live traffic
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,6 +72,11 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
         job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance))
     worker.share_width(book.strategies())
+    if cfg.adaptive is not None:
+        from autotune.serving.adaptive import Adapter
+
+        worker.adapter = Adapter(cfg.adaptive, pool, target, cfg.draft, cfg.device, storage, book, metrics, worker)
+        worker.verify_width = max(worker.verify_width, worker.adapter.width)  # one packed target for all
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.decoder(strategy)
     return Server(cfg.model, target, worker, book, metrics)

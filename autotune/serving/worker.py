@@ -33,8 +33,10 @@ class Choice:
 
     route: str  # a task name, "unknown", or the override ("plain", "default", "id")
     strategy: Strategy
-    label: str  # stored strategy id, "plain" or "default"
+    label: str  # stored strategy id, "plain" or "default" ("tuning" while the route re-tunes)
     distance: float | None = None  # to the route's centroid (auto routing only)
+    entry: Any = None  # the routed store entry (``router.RouteEntry``), when routed to one
+    state: str = "stored"  # "tuning" while the route re-tunes on live traffic (``adaptive``)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Job:
     stream: TextStream
     emit: Emit  # thread-safe: hands events to the request's event loop
     streamed: bool = False  # the client reads text deltas as they come (SSE)
+    text: str = ""  # the request's routing text (what a route re-tuned or created stores)
     cancelled: threading.Event = field(default_factory=threading.Event)
     accepted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -71,6 +74,7 @@ class DecodeWorker:
         self.pool, self.target, self.draft = pool, target, draft
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
+        self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
         self.decoders: OrderedDict[Strategy, Decoder] = OrderedDict()
         # one verify width for every speculative strategy: one packed copy of the target's weights
         # (a 1.5B fp32 target costs ~6 GiB per width); a wider strategy stored later gets its own
@@ -162,7 +166,10 @@ class DecodeWorker:
             return job.stream.stopped or job.cancelled.is_set()
 
         try:
-            result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+            if self.adapter is not None:
+                result = self.adapter.generate(job, after_round)
+            else:
+                result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
         except RuntimeUserError as exc:  # e.g. a stored strategy whose layer plan does not fit this model
             raise ApiError(400, str(exc), "autotune.strategy", code="strategy_unusable") from None
         if job.cancelled.is_set():

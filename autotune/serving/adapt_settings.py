@@ -1,0 +1,36 @@
+"""Settings of adaptive serving (``autotune serve --adaptive``; see ``autotune.serving.adaptive``).
+
+Kept apart from the machinery so the CLI reads the defaults without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.errors import CliError
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """``autotune serve --adaptive`` settings (see the module docstring)."""
+
+    ewma: float = 0.3  # weight of a route's newest request in its running acceptance and tokens/s
+    min_requests: int = 3  # requests a route serves with its strategy before it is judged
+    acceptance_drop: float = 0.25  # re-tune below (1 - this) x the stored acceptance (measured: docs/benchmarks.md)
+    # ... and at least this far below it (a relative drop of a near-zero acceptance is noise)
+    acceptance_floor_drop: float = 0.1
+    slower_margin: float = 0.05  # fall back to plain below (1 - this) x plain decoding's tokens/s
+    retune_requests: int = 4  # requests a re-tune decodes with the online tuner
+    retune_share: float = 0.05  # at most this share of a re-tune's decode time goes to tuning
+    new_route_requests: int = 6  # unknown requests that become a new route
+    space: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("min_requests", "retune_requests", "new_route_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CliError(f"adaptive setting {name}={value!r} must be a positive integer")
+        for name, lo, hi in (("ewma", 0.0, 1.0), ("acceptance_drop", 0.0, 1.0), ("slower_margin", 0.0, 1.0),
+                             ("retune_share", 0.0, 1.0), ("acceptance_floor_drop", 0.0, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
+                raise CliError(f"adaptive setting {name}={value!r} must be in ({lo:g}, {hi:g}]")

@@ -1,0 +1,306 @@
+"""Adaptive serving: drift detection per route, plain fallback, re-tuning on live traffic, and
+new routes from unknown traffic.
+
+Every auto-routed request feeds its route's **health**: exponentially weighted acceptance and
+decode tokens/s (``ewma`` = the newest request's weight). After ``min_requests`` requests a route
+whose stored strategy speculates is judged (``judge``):
+
+- **slower than plain**: its tokens/s is below plain decoding's measured speed on this machine
+  (``slower_margin`` below it; plain's speed is an EWMA over the requests decoded plainly, the
+  cost model's timed step until there is one). It falls back to plain decoding at once, and
+- **acceptance drift**: its acceptance fell below ``(1 - acceptance_drop)`` x the acceptance its
+  strategy was stored with, and by at least ``acceptance_floor_drop`` (for a row stored without
+  one: the route's first judged figure).
+
+Either way the route **re-tunes**: its next ``retune_requests`` requests decode with the online
+tuner (``autotune.tuner``, the ``auto`` space, tuning at most ``retune_share`` of their decode
+time). The tuner's incumbent is plain decoding until a candidate measured faster on this route's
+tokens, so the fallback is immediate and greedy output stays plain decoding's throughout. At
+the end the tuner's pick is checked against plain decoding's measured speed on the same requests,
+and the faster one is stored as the route's entry: a new history row (with the route's prompts and
+the requests' texts), replacing the best row it re-tuned (``Storage.record(..., supersedes=)``:
+a second replica that re-tuned the same route keeps the better of the two). The book is refitted.
+
+Requests routed to ``unknown`` (far from every task) collect into one pending cluster; after
+``new_route_requests`` of them the cluster re-tunes like a route and is stored as a new task
+named from its top TF-IDF terms (``auto:word-word``), with its prompts, and the router refits:
+later requests of that kind route there directly.
+
+Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are served as asked (they
+feed plain decoding's measured speed). Everything here runs on the decode worker's thread.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import optuna
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+from autotune.cost_model import MeasuredCostModel
+from autotune.records import ResultMetrics
+from autotune.resolve import strategy_key
+from autotune.serving.adapt_settings import AdaptSettings
+from autotune.serving.router import UNKNOWN, make_vectorizer
+from autotune.tuner import OnlineTuner, TunerSettings
+from runtime.decoding import Decoder, GenerationResult
+from runtime.stats import DecodeStats
+from search_spaces.strategy import PLAIN, Strategy
+
+ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
+NEW_ROUTE_PREFIX = "auto:"
+PENDING_TEXTS = 64  # unknown requests remembered for a new route (the first ones are its prompts)
+EVENTS_KEPT = 256
+
+
+def _ewma(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
+@dataclass
+class RouteHealth:
+    """What a route measured since its strategy was stored (or re-tuned)."""
+
+    route: str
+    strategy: Strategy
+    label: str  # the stored row's id, or "plain"
+    stored_acceptance: float | None  # what the strategy was stored with (None: not known)
+    history_id: int | None = None  # the stored best's history row (what a re-tune supersedes)
+    acceptance: float | None = None
+    tps: float | None = None
+    requests: int = 0
+    retunes: int = 0
+    fallbacks: int = 0
+    reason: str = ""  # why it last re-tuned
+
+    def observe(self, stats: DecodeStats, weight: float) -> None:
+        self.requests += 1
+        if stats.drafted:
+            self.acceptance = _ewma(self.acceptance, stats.acceptance_rate, weight)
+        if stats.decode_tokens_per_s:
+            self.tps = _ewma(self.tps, stats.decode_tokens_per_s, weight)
+
+
+def judge(health: RouteHealth, plain_tps: float | None, settings: AdaptSettings) -> str | None:
+    """Why ``health``'s route must re-tune now, or None. Pure: the server's drift rule."""
+    if not health.strategy.speculates or health.requests < settings.min_requests:
+        return None
+    if plain_tps and health.tps is not None and health.tps < (1.0 - settings.slower_margin) * plain_tps:
+        return f"slower than plain ({health.tps:.2f} < {plain_tps:.2f} tok/s)"
+    if health.acceptance is None:
+        return None
+    if health.stored_acceptance is None:  # stored without one: the first judged figure is the reference
+        health.stored_acceptance = health.acceptance
+        return None
+    bar = min((1.0 - settings.acceptance_drop) * health.stored_acceptance,
+              health.stored_acceptance - settings.acceptance_floor_drop)
+    if health.acceptance < bar:
+        return f"acceptance {health.acceptance:.2f} < {bar:.2f} (stored {health.stored_acceptance:.2f})"
+    return None
+
+
+def new_route_name(texts: list[str], known: list[str], terms: int = 2) -> str:
+    """``auto:`` + the pending texts' top TF-IDF words (fitted on them and the known routes'
+    prompts, so words every route shares rank low), e.g. ``auto:summarize-article``."""
+    vectorizer = make_vectorizer()
+    matrix = vectorizer.fit_transform(list(texts) + list(known))
+    weights = np.asarray(matrix[: len(texts)].mean(axis=0)).ravel()
+    words = vectorizer.get_feature_names_out()
+    picked: list[str] = []
+    for i in np.argsort(-weights, kind="stable"):
+        word = str(words[i])
+        if weights[i] <= 0:
+            break
+        if re.fullmatch(r"[a-z][a-z_]{2,}", word) and word not in ENGLISH_STOP_WORDS and word not in picked:
+            picked.append(word)
+        if len(picked) == terms:
+            break
+    return NEW_ROUTE_PREFIX + ("-".join(picked) or "general")
+
+
+@dataclass
+class Retune:
+    """The online tuner on one route's live requests."""
+
+    route: str  # the route re-tuned (``unknown``: a new route)
+    task: str  # the store key's task it will be recorded under
+    decoder: Decoder
+    tuner: OnlineTuner
+    prompts: list[str]  # routing texts stored with the result (the entry's, then the requests')
+    supersedes: int | None
+    reason: str
+    requests: int = 0
+    wall_s: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    def generate(self, ids: list[int], cfg: Any, text: str, after_round: Callable | None) -> GenerationResult:
+        self.tuner.start_prompt(len(ids))
+        t0 = time.perf_counter()
+        result = self.decoder.generate(ids, cfg, before_round=self.tuner.before_round, after_round=after_round)
+        self.tuner.end_prompt(ids + result.tokens, result.stats)
+        self.wall_s += time.perf_counter() - t0
+        self.requests += 1
+        self.stats = self.stats.merge(result.stats)
+        self.prompts.append(text)
+        return result
+
+    def outcome(self) -> tuple[Strategy, float, float | None, float | None]:
+        """-> (strategy to store, its measured tokens/s, acceptance, predicted tokens/s): the
+        tuner's pick when it measured faster than plain decoding on these requests, else plain."""
+        tuner = self.tuner
+        plain = tuner.kept[0]  # plain decoding: the incumbent every re-tune starts from
+        plain_tps = plain.recent_tps or plain.measured_tps or 0.0
+        best = next((k for k in reversed(tuner.kept) if k.strategy == tuner.best), plain)
+        if best.strategy.speculates and (best.measured_tps or 0.0) > plain_tps:
+            return best.strategy, best.measured_tps or 0.0, best.acceptance, tuner.predicted_tps(best.strategy)
+        return PLAIN, plain_tps, None, plain_tps or None
+
+
+class Adapter:
+    """Per-route health, re-tunes and new routes of one server (decode worker thread only)."""
+
+    def __init__(self, settings: AdaptSettings, pool: Any, target: Any, draft: str | None, device: str,
+                 storage: Any, book: Any, metrics: Any, worker: Any) -> None:
+        from autotune.study import space_context, standby_strategies, verify_width
+        from search_spaces.spaces import get_space
+
+        self.settings, self.pool, self.target, self.draft, self.device = settings, pool, target, draft, device
+        self.storage, self.book, self.metrics, self.worker = storage, book, metrics, worker
+        self.space = get_space(settings.space)
+        draft_model = pool.get(draft, "float32") if draft else None
+        self.ctx = space_context(self.space, target, draft_model, 0.45)
+        self.width = verify_width(self.space, self.ctx)
+        self.standby = standby_strategies(self.space, self.ctx)
+        self.health: dict[str, RouteHealth] = {}
+        self.retunes: dict[str, Retune] = {}
+        self.pending: deque[str] = deque(maxlen=PENDING_TEXTS)  # unknown requests' routing texts
+        self.plain_tps: float | None = None
+        self.cost: MeasuredCostModel | None = None
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # re-tunes and stored results, in order
+
+    # ------------------------------------------------------------------ the decode worker's calls
+    def generate(self, job: Any, after_round: Callable) -> GenerationResult:
+        """Decode ``job`` as its route's state says: a re-tune's tuner, or the routed strategy."""
+        choice = job.choice
+        if choice.route in ADAPTIVE_ROUTES_EXCLUDED:
+            return self._plainly_measured(job, self.worker.decoder(choice.strategy).generate(
+                job.ids, job.cfg, after_round=after_round))
+        health = self._health(choice)
+        retune = self.retunes.get(choice.route)
+        if retune is not None:
+            job.choice = replace(choice, label="tuning", state="tuning")
+            result = retune.generate(job.ids, job.cfg, job.text, after_round)
+            self._after_retune_request(retune, result)
+            return result
+        result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+        self._plainly_measured(job, result)
+        if choice.route == UNKNOWN:  # far from every route: collect them into a new one
+            self.pending.append(job.text)
+            if len(self.pending) >= self.settings.new_route_requests:
+                self._start(health, f"{len(self.pending)} requests far from every route")
+            return result
+        health.observe(result.stats, self.settings.ewma)
+        reason = judge(health, self._plain_tps(), self.settings)
+        if reason is not None:
+            health.fallbacks += reason.startswith("slower")
+            self._start(health, reason)
+        return result
+
+    def describe(self) -> dict[str, Any]:
+        retuning = set(self.retunes)
+        return {
+            route: {"strategy": h.label, "state": "tuning" if route in retuning else "stored",
+                    "acceptance": h.acceptance, "stored_acceptance": h.stored_acceptance, "tokens_per_s": h.tps,
+                    "requests": h.requests, "retunes": h.retunes, "fallbacks": h.fallbacks, "reason": h.reason}
+            for route, h in list(self.health.items())  # read from the HTTP thread: a snapshot
+        } | {"plain_tokens_per_s": self.plain_tps, "pending_unknown": len(self.pending)}
+
+    # ------------------------------------------------------------------ internals
+    def _health(self, choice: Any) -> RouteHealth:
+        """The route's health; a new one when the route's stored entry changed (re-tuned here, by
+        another replica, or by a study)."""
+        entry = choice.entry
+        h = self.health.get(choice.route)
+        if h is None or h.label != choice.label or h.strategy != choice.strategy:
+            old = h
+            h = self.health[choice.route] = RouteHealth(
+                choice.route, choice.strategy, choice.label,
+                stored_acceptance=entry.acceptance if entry is not None else None,
+                history_id=entry.history_id if entry is not None else None,
+            )
+            if old is not None:
+                h.retunes, h.fallbacks = old.retunes, old.fallbacks
+        return h
+
+    def _plainly_measured(self, job: Any, result: GenerationResult) -> GenerationResult:
+        if not job.choice.strategy.speculates and result.stats.decode_tokens_per_s:
+            self.plain_tps = _ewma(self.plain_tps, result.stats.decode_tokens_per_s, self.settings.ewma)
+        return result
+
+    def _plain_tps(self) -> float | None:
+        if self.plain_tps is None:  # nothing decoded plainly yet: the cost model's timed step
+            step = self._cost().plain_step_s()
+            return 1.0 / step if step > 0 else None
+        return self.plain_tps
+
+    def _cost(self) -> MeasuredCostModel:
+        if self.cost is None:
+            dec = self._decoder()
+            drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
+            self.cost = MeasuredCostModel(draft=drafting.model if drafting is not None else dec.target,
+                                          target=dec.target, verify_width=self.width, context=512,
+                                          repeats=1, warm=False)
+        return self.cost
+
+    def _decoder(self) -> Decoder:
+        from runtime.pipeline import build_decoder
+
+        uses_draft = self.draft if "draft-model" in self.space.kinds(self.ctx) else None
+        return build_decoder(self.pool, self.target, PLAIN, uses_draft, verify_width=self.width, standby=self.standby)
+
+    def _start(self, health: RouteHealth, reason: str) -> None:
+        """Re-tune ``health``'s route on its next requests (plain decoding first)."""
+        s = self.settings
+        settings = TunerSettings(max_share=s.retune_share)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(direction="maximize")
+        tuner = OnlineTuner(self.space, self.ctx, study, self._cost(), settings)
+        if health.route == UNKNOWN:
+            known = [p for e in self.book.entries for p in e.prompts]
+            task, prompts, supersedes = new_route_name(list(self.pending), known), list(self.pending), None
+        else:
+            entry = next((e for e in self.book.entries if e.task == health.route), None)
+            task, prompts, supersedes = health.route, list(entry.prompts) if entry else [], health.history_id
+        self.retunes[health.route] = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason)
+        health.retunes += 1
+        health.reason = reason
+        self.metrics.retunes.labels(health.route).inc()
+        self.events.append({"event": "retune", "route": health.route, "task": task, "reason": reason,
+                            "requests": health.requests})
+
+    def _after_retune_request(self, retune: Retune, result: GenerationResult) -> None:
+        if retune.requests < self.settings.retune_requests:
+            return
+        del self.retunes[retune.route]
+        strategy, tps, acceptance, predicted = retune.outcome()
+        tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
+        key = strategy_key(self.target, self.draft, retune.task, self.device)
+        history_id = self.storage.record(key, strategy, ResultMetrics.from_throughput(
+            tps, acceptance=acceptance, predicted_tps=predicted, tuning_share=min(tuning, 1.0),
+            study_name=f"serve:{retune.route}",
+        ), prompts=retune.prompts, supersedes=retune.supersedes)
+        if retune.route == UNKNOWN:
+            self.pending.clear()
+        health = self.health.get(retune.route)
+        if health is not None:  # judged afresh with its new entry (see _health)
+            health.label = ""
+        self.book.refresh()
+        self.worker.share_width([strategy])
+        self.events.append({"event": "stored", "route": retune.route, "task": retune.task,
+                            "strategy": strategy.to_dict(), "tokens_per_s": tps, "acceptance": acceptance,
+                            "history_id": history_id, "tuning_share": tuning, "trials": retune.tuner.state.trials})
