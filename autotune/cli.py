@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="watch each route's acceptance and speed; fall back to plain and re-tune on drift")
     adapt.add_argument("--acceptance-drop", type=float, default=AdaptDefaults.acceptance_drop,
                        help="re-tune a route whose acceptance falls below (1 - this) x its stored acceptance "
-                            f"(default {AdaptDefaults.acceptance_drop}, measured)")
+                            f"(default {AdaptDefaults.acceptance_drop})")
     adapt.add_argument("--retune-requests", type=int, default=AdaptDefaults.retune_requests,
                        help=f"requests a re-tune decodes with the online tuner (default {AdaptDefaults.retune_requests})")
     adapt.add_argument("--retune-share", type=float, default=AdaptDefaults.retune_share,
