@@ -15,8 +15,8 @@ class AdaptSettings:
 
     ewma: float = 0.3  # weight of a route's newest request in its running acceptance and tokens/s
     min_requests: int = 3  # requests a route serves with its strategy before it is judged
-    # re-tune below (1 - this) x the stored acceptance; drift_eval measures it (docs/benchmarks.md:
-    # SmolLM2 cannot separate the tasks, so 0.25 is not validated yet)
+    # re-tune below (1 - this) x the stored acceptance: measured by drift_eval on the Qwen pair
+    # (the smallest drop with no false alarm; docs/benchmarks.md)
     acceptance_drop: float = 0.25
     # ... and at least this far below it (a relative drop of a near-zero acceptance is noise)
     acceptance_floor_drop: float = 0.1
