@@ -170,11 +170,13 @@ class ModelDrafter:
 
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         """A new sequence. The leading cache rows it shares with the previous one (exact K/V of
-        the same tokens at the same positions) are kept, not prefilled again."""
+        the same tokens at the same positions) are kept, not prefilled again - except with
+        compiled steps, where the rest of the prompt would be a step of a new shape each time
+        (a recompile) instead of the eager prefill."""
         extra = self.shape.max_nodes() if self.shape else 0
         need = capacity + extra
         keep = 0
-        limit = min(len(self.exact_rows), len(prompt) - 1, self.cache.length)
+        limit = 0 if self.model.is_compiled else min(len(self.exact_rows), len(prompt) - 1, self.cache.length)
         while keep < limit and self.exact_rows[keep] == prompt[keep]:
             keep += 1
         if keep and self.cache.capacity >= need:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -249,39 +248,12 @@ def test_not_json_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, cap
 
 
 # ---------------------------------------------------------------------- slow: a real server
-class LiveServer:
-    """uvicorn serving the app in a thread, on a free loopback port (as in test_serve.py)."""
-
-    def __init__(self, server: Any, refresh_s: float = 3600.0) -> None:
-        import uvicorn
-
-        from autotune.serving.server import make_app
-
-        self.server = server
-        self.uv = uvicorn.Server(uvicorn.Config(make_app(server, refresh_s), host="127.0.0.1", port=0,
-                                                log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.uv.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        port = self.uv.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uv.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.mark.slow
 def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from autotune.records import ResultMetrics
     from autotune.resolve import strategy_key
     from autotune.serving.server import ServeConfig, build_server
+    from tests.autotune.test_serve import LiveServer
     from autotune.storage import open_storage
     from search_spaces.layer_plan import uniform_skip_plan
     from search_spaces.strategy import Strategy

@@ -399,19 +399,23 @@ def test_apply_refuses_what_the_decoder_cannot_do(target, draft):
         decoder.apply(Strategy(draft_length=4, tree_widths=(4, 2, 1, 1)))
 
 
+def joint_tuner(target, draft, **changes):
+    """The `auto` space over plain / lookup / a tiny draft model, drafting priced cheap (0.05 s a
+    forward against a 1 s target step) and the clock agreeing: -> (decoder, tuner, clock)."""
+    ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
+    clock = SimClock(verify=1.0, draft=0.05)
+    settings = TunerSettings(**{**dict(window=8, beta=4, max_share=1.0, confirm_tokens=8), **changes})
+    tuner = OnlineTuner(get_space("auto"), ctx, optuna.create_study(direction="maximize"),
+                        FixedCostModel(draft_full_s=0.05, verify_const_s=1.0), settings, clock=clock)
+    return joint_decoder(target, draft), tuner, clock
+
+
 def test_joint_space_tunes_across_kinds_losslessly(target, draft):
     """The `auto` space on tiny models: trials cover plain, lookup and the draft model (trees and
     layer-parallel plans included), output equals plain decoding, and a speculating candidate
     ends up decoding (drafting is priced cheap and the clock agrees)."""
     plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
-    space = get_space("auto")
-    ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
-    decoder = joint_decoder(target, draft)
-    clock = SimClock(verify=1.0, draft=0.05)
-    settings = TunerSettings(window=8, beta=4, max_trials=60, patience=60, max_share=1.0, trials_per_round=4,
-                             confirm_tokens=8, min_trials=60)
-    tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
-                        FixedCostModel(draft_full_s=0.05, verify_const_s=1.0), settings, clock=clock)
+    decoder, tuner, clock = joint_tuner(target, draft, max_trials=60, patience=60, trials_per_round=4, min_trials=60)
     tuner.start_prompt(len(PROMPT))
     out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=96), before_round=clock.hook(tuner))
     tuner.end_prompt(PROMPT + out.tokens, out.stats)
@@ -425,14 +429,8 @@ def test_joint_space_tunes_across_kinds_losslessly(target, draft):
 def test_tuning_goes_on_across_prompts(target, draft):
     """Each prompt starts with the drafters on a new sequence: trials before its first window score
     the previous prompt's window (plans cached there only), and windows go on being scored."""
-    space = get_space("auto")
-    ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
-    decoder = joint_decoder(target, draft)
-    clock = SimClock(verify=1.0, draft=0.05)
-    settings = TunerSettings(window=8, beta=4, max_trials=500, patience=500, max_share=1.0, trials_per_round=2,
-                             confirm_tokens=8, min_trials=500)
-    tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
-                        FixedCostModel(draft_full_s=0.05, verify_const_s=1.0), settings, clock=clock)
+    decoder, tuner, clock = joint_tuner(target, draft, max_trials=500, patience=500, trials_per_round=2,
+                                        min_trials=500)
     seen = []
     for prompt in (PROMPT, PROMPT[::-1] + [7, 7]):
         tuner.start_prompt(len(prompt))
