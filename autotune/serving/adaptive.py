@@ -87,7 +87,8 @@ class RouteHealth:
 
 
 def judge(health: RouteHealth, plain_tps: float | None, settings: AdaptSettings) -> str | None:
-    """Why ``health``'s route must re-tune now, or None. Pure: the server's drift rule."""
+    """Why ``health``'s route must re-tune now, or None: the server's drift rule. Its one side
+    effect: a row stored without an acceptance takes the first judged figure as its reference."""
     if not health.strategy.speculates or health.requests < settings.min_requests:
         return None
     if plain_tps and health.tps is not None and health.tps < (1.0 - settings.slower_margin) * plain_tps:
@@ -195,7 +196,7 @@ class Adapter:
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
             result = retune.generate(job.ids, job.cfg, job.text, after_round)
-            self._after_retune_request(retune, result)
+            self._after_retune_request(retune)
             return result
         result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
         self._plainly_measured(job, result)
@@ -283,7 +284,7 @@ class Adapter:
         self.events.append({"event": "retune", "route": health.route, "task": task, "reason": reason,
                             "requests": health.requests})
 
-    def _after_retune_request(self, retune: Retune, result: GenerationResult) -> None:
+    def _after_retune_request(self, retune: Retune) -> None:
         if retune.requests < self.settings.retune_requests:
             return
         del self.retunes[retune.route]
