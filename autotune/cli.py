@@ -151,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"cap on a re-tune's tuning time, as a share of its decode time "
                             f"(default {AdaptDefaults.retune_share})")
     adapt.add_argument("--new-route-requests", type=int, default=AdaptDefaults.new_route_requests,
-                       help="unknown requests that become a new route "
+                       help="unknown requests of one topic (a pending cluster) that become a new route "
                             f"(default {AdaptDefaults.new_route_requests})")
+    adapt.add_argument("--recheck-plain-requests", type=int, default=AdaptDefaults.recheck_plain_requests,
+                       help="requests a route stored as plain serves before it re-checks whether speculation "
+                            f"pays (default {AdaptDefaults.recheck_plain_requests})")
     return parser
 
 
@@ -549,7 +552,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     adaptive = AdaptDefaults(
         acceptance_drop=args.acceptance_drop, retune_requests=args.retune_requests, retune_share=args.retune_share,
-        new_route_requests=args.new_route_requests,
+        new_route_requests=args.new_route_requests, recheck_plain_requests=args.recheck_plain_requests,
     ) if args.adaptive else None
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,

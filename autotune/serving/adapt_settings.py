@@ -23,11 +23,12 @@ class AdaptSettings:
     slower_margin: float = 0.05  # fall back to plain below (1 - this) x plain decoding's tokens/s
     retune_requests: int = 4  # requests a re-tune decodes with the online tuner
     retune_share: float = 0.05  # at most this share of a re-tune's decode time goes to tuning
-    new_route_requests: int = 6  # unknown requests that become a new route
+    new_route_requests: int = 6  # unknown requests (of one pending cluster) that become a new route
+    recheck_plain_requests: int = 32  # requests a route stored as plain serves before it re-checks speculation
     space: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("min_requests", "retune_requests", "new_route_requests"):
+        for name in ("min_requests", "retune_requests", "new_route_requests", "recheck_plain_requests"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CliError(f"adaptive setting {name}={value!r} must be a positive integer")

@@ -21,16 +21,24 @@ and the faster one is stored as the route's entry: a new history row (with the r
 the requests' texts), replacing the best row it re-tuned (``Storage.record(..., supersedes=)``:
 a second replica that re-tuned the same route keeps the better of the two). The book is refitted.
 
-Requests routed to ``unknown`` (far from every task) collect into one pending cluster; after
-``new_route_requests`` of them the cluster re-tunes like a route and is stored as a new task
-named from its top TF-IDF terms (``auto:word-word``), with its prompts, and the router refits:
-later requests of that kind route there directly.
+A route stored as **plain** decoding has no acceptance to drift; traffic that turned
+speculation-friendly would never be noticed. After ``recheck_plain_requests`` requests on its
+plain entry it re-tunes the same way (plain stays the incumbent, so nothing is lost but the capped
+tuning share), and the result, plain again or a faster strategy, becomes its entry.
+
+Requests routed to ``unknown`` (far from every task) collect into **pending clusters**
+(``PendingClusters``): each joins the nearest cluster by the router's own TF-IDF centroid distance
+and threshold, or opens a new one, so mixed unknown traffic becomes several routes, not one. After
+``new_route_requests`` requests a cluster re-tunes like a route (its next requests decode with the
+tuner) and is stored as a new task named from its top TF-IDF terms (``auto:word-word``), with its
+prompts, and the router refits: later requests of that kind route there directly.
 
 Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are served as asked (they
 feed plain decoding's measured speed). Everything here runs on the decode worker's thread.
 """
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections import deque
@@ -41,12 +49,13 @@ from typing import Any
 import numpy as np
 import optuna
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+from sklearn.preprocessing import normalize
 
 from autotune.cost_model import MeasuredCostModel
-from autotune.records import ResultMetrics
+from autotune.records import ResultMetrics, clip_prompt
 from autotune.resolve import strategy_key
 from autotune.serving.adapt_settings import AdaptSettings
-from autotune.serving.router import UNKNOWN, make_vectorizer
+from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, make_vectorizer
 from autotune.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats
@@ -54,7 +63,8 @@ from search_spaces.strategy import PLAIN, Strategy
 
 ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
 NEW_ROUTE_PREFIX = "auto:"
-PENDING_TEXTS = 64  # unknown requests remembered for a new route (the first ones are its prompts)
+PENDING_TEXTS = 64  # unknown requests remembered per pending cluster (the first ones are its prompts)
+PENDING_CLUSTERS = 8  # pending clusters kept at once; a new one beyond this drops the stalest
 EVENTS_KEPT = 256
 
 
@@ -89,7 +99,11 @@ class RouteHealth:
 def judge(health: RouteHealth, plain_tps: float | None, settings: AdaptSettings) -> str | None:
     """Why ``health``'s route must re-tune now, or None: the server's drift rule. Its one side
     effect: a row stored without an acceptance takes the first judged figure as its reference."""
-    if not health.strategy.speculates or health.requests < settings.min_requests:
+    if not health.strategy.speculates:  # nothing to drift: re-check now and then whether speculation pays
+        if health.requests >= settings.recheck_plain_requests:
+            return f"plain for {health.requests} requests: re-checking whether speculation pays"
+        return None
+    if health.requests < settings.min_requests:
         return None
     if plain_tps and health.tps is not None and health.tps < (1.0 - settings.slower_margin) * plain_tps:
         return f"slower than plain ({health.tps:.2f} < {plain_tps:.2f} tok/s)"
@@ -124,6 +138,70 @@ def new_route_name(texts: list[str], known: list[str], terms: int = 2) -> str:
     return NEW_ROUTE_PREFIX + ("-".join(picked) or "general")
 
 
+class PendingClusters:
+    """Unknown requests grouped by topic until a group is big enough to become a route.
+
+    A text joins the nearest cluster when its cosine distance to that cluster's TF-IDF centroid is
+    below ``threshold`` (the router's vectors and threshold, fitted on the pending texts and this
+    one: a vocabulary fitted without it would see only the words it shares); otherwise it
+    opens a new cluster. At most ``max_clusters`` are kept (opening one more drops the one that
+    grew least recently) and ``max_texts`` texts per cluster. Cluster ids are never reused.
+    """
+
+    def __init__(self, threshold: float = DEFAULT_ROUTE_DISTANCE, max_clusters: int = PENDING_CLUSTERS,
+                 max_texts: int = PENDING_TEXTS) -> None:
+        self.threshold, self.max_clusters, self.max_texts = threshold, max_clusters, max_texts
+        self.clusters: dict[int, list[str]] = {}  # id -> texts, least recently grown first
+        self._next = 0
+
+    def assign(self, text: str) -> int:
+        """The id of the cluster ``text`` belongs to (a new id when it is near none); adds nothing."""
+        if self.clusters:
+            ids = list(self.clusters)
+            texts = [clip_prompt(t) for cid in ids for t in self.clusters[cid]]
+            vectors = normalize(make_vectorizer().fit_transform([*texts, clip_prompt(text)]))
+            bounds = np.cumsum([0, *(len(self.clusters[cid]) for cid in ids)])
+            centroids = normalize(np.vstack([np.asarray(vectors[lo:hi].mean(axis=0))
+                                             for lo, hi in itertools.pairwise(bounds)]))
+            distances = 1.0 - np.asarray(vectors[len(texts):] @ centroids.T).ravel()
+            nearest = int(distances.argmin())
+            if distances[nearest] < self.threshold:
+                return ids[nearest]
+        self._next += 1
+        return self._next - 1
+
+    def add(self, cid: int, text: str) -> int:
+        """Add ``text`` to cluster ``cid`` (opening it if new); -> the cluster's size."""
+        texts = self.clusters.pop(cid, None)
+        if texts is None:
+            texts = []
+            while len(self.clusters) >= self.max_clusters:
+                del self.clusters[next(iter(self.clusters))]
+        texts = (texts + [text])[-self.max_texts:]
+        self.clusters[cid] = texts  # now the most recently grown
+        return len(texts)
+
+    def texts(self, cid: int) -> list[str]:
+        return list(self.clusters.get(cid, ()))
+
+    def drop(self, cid: int) -> None:
+        self.clusters.pop(cid, None)
+
+    def sizes(self) -> dict[int, int]:
+        return {cid: len(texts) for cid, texts in self.clusters.items()}
+
+
+def unique_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name-2``, ``name-3``... when a route of that name exists (a topic seen twice
+    is a new route of its own, never an overwrite of the first)."""
+    n = 1
+    candidate = name
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
+
+
 @dataclass
 class Retune:
     """The online tuner on one route's live requests."""
@@ -135,9 +213,15 @@ class Retune:
     prompts: list[str]  # routing texts stored with the result (the entry's, then the requests')
     supersedes: int | None
     reason: str
+    cluster: int | None = None  # the pending cluster of unknown traffic it turns into a route
     requests: int = 0
     wall_s: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def key(self) -> str:
+        """Its key among the running re-tunes: the route, or ``unknown#<cluster>``."""
+        return self.route if self.cluster is None else f"{self.route}#{self.cluster}"
 
     def generate(self, ids: list[int], cfg: Any, text: str, after_round: Callable | None) -> GenerationResult:
         self.tuner.start_prompt(len(ids))
@@ -179,7 +263,7 @@ class Adapter:
         self.standby = standby_strategies(self.space, self.ctx)
         self.health: dict[str, RouteHealth] = {}
         self.retunes: dict[str, Retune] = {}
-        self.pending: deque[str] = deque(maxlen=PENDING_TEXTS)  # unknown requests' routing texts
+        self.pending = PendingClusters(book.router.threshold)  # unknown requests' routing texts, by topic
         self.plain_tps: float | None = None
         self.cost: MeasuredCostModel | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # re-tunes and stored results, in order
@@ -192,7 +276,8 @@ class Adapter:
             return self._plainly_measured(job, self.worker.decoder(choice.strategy).generate(
                 job.ids, job.cfg, after_round=after_round))
         health = self._health(choice)
-        retune = self.retunes.get(choice.route)
+        cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
+        retune = self.retunes.get(choice.route if cluster is None else f"{UNKNOWN}#{cluster}")
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
             result = retune.generate(job.ids, job.cfg, job.text, after_round)
@@ -200,10 +285,10 @@ class Adapter:
             return result
         result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
         self._plainly_measured(job, result)
-        if choice.route == UNKNOWN:  # far from every route: collect them into a new one
-            self.pending.append(job.text)
-            if len(self.pending) >= self.settings.new_route_requests:
-                self._start(health, f"{len(self.pending)} requests far from every route")
+        if cluster is not None:  # far from every route: collect them by topic into new ones
+            size = self.pending.add(cluster, job.text)
+            if size >= self.settings.new_route_requests:
+                self._start(health, f"{size} requests far from every route", cluster)
             return result
         health.observe(result.stats, self.settings.ewma)
         reason = judge(health, self._plain_tps(), self.settings)
@@ -219,7 +304,8 @@ class Adapter:
                     "acceptance": h.acceptance, "stored_acceptance": h.stored_acceptance, "tokens_per_s": h.tps,
                     "requests": h.requests, "retunes": h.retunes, "fallbacks": h.fallbacks, "reason": h.reason}
             for route, h in list(self.health.items())  # read from the HTTP thread: a snapshot
-        } | {"plain_tokens_per_s": self.plain_tps, "pending_unknown": len(self.pending)}
+        } | {"plain_tokens_per_s": self.plain_tps, "pending_unknown": sum(self.pending.sizes().values()),
+             "pending_clusters": list(self.pending.sizes().values())}
 
     # ------------------------------------------------------------------ internals
     def _health(self, choice: Any) -> RouteHealth:
@@ -264,20 +350,24 @@ class Adapter:
         uses_draft = self.draft if "draft-model" in self.space.kinds(self.ctx) else None
         return build_decoder(self.pool, self.target, PLAIN, uses_draft, verify_width=self.width, standby=self.standby)
 
-    def _start(self, health: RouteHealth, reason: str) -> None:
-        """Re-tune ``health``'s route on its next requests (plain decoding first)."""
+    def _start(self, health: RouteHealth, reason: str, cluster: int | None = None) -> None:
+        """Re-tune ``health``'s route (or the pending ``cluster`` of unknown traffic) on its next
+        requests (plain decoding first)."""
         s = self.settings
         settings = TunerSettings(max_share=s.retune_share)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(direction="maximize")
         tuner = OnlineTuner(self.space, self.ctx, study, self._cost(), settings)
-        if health.route == UNKNOWN:
+        if cluster is not None:
             known = [p for e in self.book.entries for p in e.prompts]
-            task, prompts, supersedes = new_route_name(list(self.pending), known), list(self.pending), None
+            texts = self.pending.texts(cluster)
+            taken = {e.task for e in self.book.entries} | {r.task for r in self.retunes.values()}
+            task, prompts, supersedes = unique_name(new_route_name(texts, known), taken), texts, None
         else:
             entry = next((e for e in self.book.entries if e.task == health.route), None)
             task, prompts, supersedes = health.route, list(entry.prompts) if entry else [], health.history_id
-        self.retunes[health.route] = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason)
+        retune = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason, cluster)
+        self.retunes[retune.key] = retune
         health.retunes += 1
         health.reason = reason
         self.metrics.retunes.labels(health.route).inc()
@@ -287,7 +377,7 @@ class Adapter:
     def _after_retune_request(self, retune: Retune) -> None:
         if retune.requests < self.settings.retune_requests:
             return
-        del self.retunes[retune.route]
+        del self.retunes[retune.key]
         strategy, tps, acceptance, predicted = retune.outcome()
         tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
         key = strategy_key(self.target, self.draft, retune.task, self.device)
@@ -295,8 +385,8 @@ class Adapter:
             tps, acceptance=acceptance, predicted_tps=predicted, tuning_share=min(tuning, 1.0),
             study_name=f"serve:{retune.route}",
         ), prompts=retune.prompts, supersedes=retune.supersedes)
-        if retune.route == UNKNOWN:
-            self.pending.clear()
+        if retune.cluster is not None:
+            self.pending.drop(retune.cluster)
         health = self.health.get(retune.route)
         if health is not None:  # judged afresh with its new entry (see _health)
             health.label = ""

@@ -14,7 +14,7 @@ from autotune.errors import CliError
 from autotune.records import ResultMetrics
 from autotune.resolve import strategy_key
 from autotune.serving.adapt_settings import AdaptSettings
-from autotune.serving.adaptive import RouteHealth, judge, new_route_name
+from autotune.serving.adaptive import PendingClusters, RouteHealth, judge, new_route_name, unique_name
 from autotune.serving.server import ServeConfig, build_server
 from autotune.storage import open_storage
 from runtime.decoding import GenerationConfig
@@ -37,6 +37,12 @@ TRANSLATE = [f"Translate this sentence into French, keeping its tone: {s}" for s
     "She writes letters to her old friends every winter.",
     "We watched the sunset from the top of the hill.",
     "The library is quiet except for the sound of pages turning.",
+)]
+# a second kind of unknown traffic, far from both code and the translations
+RECIPES = [f"Suggest an easy dinner recipe with {s}, and list the steps in order." for s in (
+    "chickpeas, spinach and garlic", "salmon, lemon and dill", "mushrooms, rice and thyme",
+    "lentils, carrots and cumin", "tofu, ginger and broccoli", "potatoes, leeks and cream",
+    "eggs, peppers and onions", "pasta, tomatoes and basil",
 )]
 
 
@@ -64,8 +70,11 @@ def test_judge_waits_then_flags_acceptance_drift_and_slowness():
         slow.observe(stats(40, 12, 30, 4.0), s.ewma)  # 7.5 tok/s
     assert judge(slow, 10.0, s).startswith("slower than plain")
     assert judge(slow, 7.6, s) is None  # within the margin of plain: neither slow nor drifted
-    # a plain route is never judged; a row stored without acceptance takes its first figure
-    assert judge(RouteHealth("mt", PLAIN, "plain", None, requests=9), 10.0, s) is None
+    # a plain route has nothing to drift: it re-checks speculation after recheck_plain_requests
+    s = AdaptSettings(min_requests=2, acceptance_drop=0.25, ewma=0.5, recheck_plain_requests=9)
+    assert judge(RouteHealth("mt", PLAIN, "plain", None, requests=8), 10.0, s) is None
+    assert judge(RouteHealth("mt", PLAIN, "plain", None, requests=9), 10.0, s).startswith("plain for 9 requests")
+    # a row stored without acceptance takes its first figure
     fresh = RouteHealth("x", LOOKUP, "3", stored_acceptance=None)
     for _ in range(2):
         fresh.observe(stats(40, 30, 30, 1.0), s.ewma)
@@ -77,6 +86,33 @@ def test_new_route_names_come_from_the_pending_texts():
     name = new_route_name(TRANSLATE[:5], known)
     assert name.startswith("auto:") and "french" in name.split(":")[1].split("-")
     assert new_route_name(["1 2 3", "4 5"], known) == "auto:general"
+
+
+def test_pending_unknown_traffic_clusters_by_topic():
+    pending = PendingClusters(threshold=0.65, max_clusters=2, max_texts=4)
+    ids = []
+    for translate, recipe in zip(TRANSLATE[:5], RECIPES[:5]):
+        for text in (translate, recipe):
+            cid = pending.assign(text)
+            pending.add(cid, text)
+            ids.append(cid)
+    assert ids[0::2] == [ids[0]] * 5 and ids[1::2] == [ids[1]] * 5 and ids[0] != ids[1]
+    assert pending.sizes() == {ids[0]: 4, ids[1]: 4}  # at most max_texts each, the newest kept
+    assert pending.texts(ids[0]) == TRANSLATE[1:5]
+    # a third topic opens a third cluster, which drops the one that grew least recently
+    code = "Implement a binary search tree with insert and delete in Rust."
+    third = pending.assign(code)
+    assert third not in ids
+    pending.add(third, code)
+    assert set(pending.sizes()) == {ids[1], third}
+    pending.drop(third)
+    assert pending.assign(code) not in (third, *ids)  # ids are never reused
+
+
+def test_new_route_names_never_overwrite_a_route():
+    assert unique_name("auto:french-translate", set()) == "auto:french-translate"
+    taken = {"auto:french-translate", "auto:french-translate-2"}
+    assert unique_name("auto:french-translate", taken) == "auto:french-translate-3"
 
 
 @pytest.mark.parametrize("field,value", [("min_requests", 0), ("acceptance_drop", 0.0), ("retune_share", 1.5),
@@ -163,7 +199,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
 
 
 @pytest.mark.slow
-def test_unknown_traffic_becomes_a_new_route(pool, smollm, tmp_path):
+def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
     url = f"sqlite:///{tmp_path / 'store.db'}"
     key = strategy_key(smollm, None, "humaneval", "cpu")
     with open_storage(url) as storage:
@@ -173,20 +209,24 @@ def test_unknown_traffic_becomes_a_new_route(pool, smollm, tmp_path):
         with LiveServer(server) as live:
             client = live.client()
             routes = []
-            for text in TRANSLATE[:5]:
+            for translate, recipe in zip(TRANSLATE[:5], RECIPES[:5]):  # two kinds of unknown traffic, interleaved
+                for text in (translate, recipe):
+                    _, ids, info = chat(client, text, max_tokens=16)
+                    assert ids == plain_ids(pool, smollm, text, 16)
+                    routes.append((info["route"], info["state"]))
+            assert routes[:6] == [("unknown", "stored")] * 6
+            assert routes[6:] == [("unknown", "tuning")] * 4  # each kind re-tunes as its own cluster
+            created = {e["task"]: e for e in server.worker.adapter.events if e["event"] == "stored"}
+            assert len(created) == 2 and all(task.startswith("auto:") for task in created)
+            stored = {b.key.task: set(storage.prompts(b.history_id)) for b in storage.list_best()}
+            by_kind = {}
+            for kind, sample in (("translate", TRANSLATE), ("recipe", RECIPES)):
+                [task] = [t for t in created if stored[t] == set(sample[:5])]
+                by_kind[kind] = task
+            for kind, text in (("translate", TRANSLATE[5]), ("recipe", RECIPES[5]),
+                               ("translate", TRANSLATE[6]), ("recipe", RECIPES[6])):  # routed to the new entries
                 _, ids, info = chat(client, text, max_tokens=16)
-                assert ids == plain_ids(pool, smollm, text, 16)
-                routes.append((info["route"], info["state"]))
-            assert routes[:3] == [("unknown", "stored")] * 3
-            assert routes[3:] == [("unknown", "tuning")] * 2
-            [created] = [e for e in server.worker.adapter.events if e["event"] == "stored"]
-            task = created["task"]
-            assert task.startswith("auto:")
-            best = next(b for b in storage.list_best() if b.key.task == task)
-            assert set(storage.prompts(best.history_id)) == set(TRANSLATE[:5])
-            for text in TRANSLATE[5:8]:  # routed to the new entry now
-                _, ids, info = chat(client, text, max_tokens=16)
-                assert info["route"] == task and ids == plain_ids(pool, smollm, text, 16)
+                assert info["route"] == by_kind[kind] and ids == plain_ids(pool, smollm, text, 16)
 
 
 def _pg_database(base: str, name: str) -> str:
