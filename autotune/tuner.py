@@ -285,6 +285,11 @@ class OnlineTuner:
         self._queued: set[Strategy] = set()  # strategies enqueued so far (seeds, neighbours)
         for seed in seeds:
             self._enqueue(seed)
+        # seeds whose score on a fresh window costs no forward of their own (prompt lookup; a
+        # draft's all-layer plan, scored by its catch-up forward): re-scored on every fresh window
+        # once tried, so one unrepresentative first window does not rule a kind of drafter out
+        self.watched: dict[Strategy, int] = {}  # seed -> the trial number it was first tried as
+        self._watchable = {s for s in seeds if s.speculates and (s.layer_plan is None or s.layer_plan.is_identity)}
 
     # ----------------------------------------------------------------- decode hooks
     @property
@@ -470,6 +475,12 @@ class OnlineTuner:
         ready = [r for r in survivors if r.wins >= self.settings.race_windows]
         if ready:
             self._measure(decoder, max(ready, key=lambda r: r.score))
+        for seed, trial in self.watched.items():  # each kind's reference point, on this window too
+            if seed in self.race or state.done:  # a stopped tuner only finishes its race
+                continue
+            got = self.score(decoder, seed, tokens)
+            if got is not None and self._join_race(seed, trial, *got, incumbent) and seed in self.race:
+                survivors.append(self.race[seed])  # the incumbent did not lead on this window
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
             self._enqueue(near)
         # the incumbent led on this window if candidates were tried since the last one and none
@@ -566,6 +577,8 @@ class OnlineTuner:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return False
         score, raw, rate = got
+        if strategy in self._watchable:
+            self.watched.setdefault(strategy, trial.number)
         trial.set_user_attr("sampler", "enqueued" if enqueued else ("bayes" if use_bayes else "random"))
         trial.set_user_attr("drafter", strategy.drafter)
         trial.set_user_attr("matchness", rate)
@@ -573,19 +586,26 @@ class OnlineTuner:
         self.study.tell(trial, score)
         state.trials += 1
         state.since_improvement += 1
-        running = {self.incumbent.strategy} | ({self.challenger.strategy} if self.challenger else set())
-        if strategy not in running and score > incumbent * (1.0 + self.settings.switch_margin):
+        if self._join_race(strategy, trial.number, score, raw, rate, incumbent):
             state.since_improvement = 0
-            racer = self.race.get(strategy)
-            if racer is None:
-                self.race[strategy] = Racer(strategy, trial.number, score, raw, rate, raws=[raw])
-            elif score > racer.score:
-                racer.trial, racer.score, racer.raw, racer.matchness = trial.number, score, raw, rate
-            if len(self.race) > 4:  # keep the best few
-                worst = min(self.race.values(), key=lambda r: r.score)
-                del self.race[worst.strategy]
         self._maybe_stop()
         return not state.done
+
+    def _join_race(self, strategy: Strategy, trial: int, score: float, raw: float, rate: float,
+                   incumbent: float) -> bool:
+        """Enter ``strategy`` in the race when it scored ``switch_margin`` above the incumbent."""
+        running = {self.incumbent.strategy} | ({self.challenger.strategy} if self.challenger else set())
+        if strategy in running or score <= incumbent * (1.0 + self.settings.switch_margin):
+            return False
+        racer = self.race.get(strategy)
+        if racer is None:
+            self.race[strategy] = Racer(strategy, trial, score, raw, rate, raws=[raw])
+        elif score > racer.score:
+            racer.trial, racer.score, racer.raw, racer.matchness = trial, score, raw, rate
+        if len(self.race) > 4:  # keep the best few
+            worst = min(self.race.values(), key=lambda r: r.score)
+            del self.race[worst.strategy]
+        return True
 
     def _maybe_stop(self) -> None:
         s, cfg = self.state, self.settings

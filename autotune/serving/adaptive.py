@@ -26,7 +26,14 @@ speculation-friendly would never be noticed. After ``recheck_plain_requests`` re
 plain entry it re-tunes the same way (plain stays the incumbent, so nothing is lost but the capped
 tuning share), and the result, plain again or a faster strategy, becomes its entry.
 
-Requests routed to ``unknown`` (far from every task) collect into **pending clusters**
+Requests routed to ``unknown`` (far from every task) decode with the store's general entry (task
+``prompts``) or, with none stored, the **server's default strategy** (a confidence-stopped draft
+chain when a draft is served) rather than plain decoding: the judge watches ``unknown`` like any
+route, so where the default is slower than plain it falls back and re-tunes, and the result is
+stored as the general entry (later unknown requests decode with it). On the Qwen pair's replay the
+default ran 1.20x plain on MT-Bench questions, which route to ``unknown``.
+
+They also collect into **pending clusters**
 (``PendingClusters``): each joins the nearest cluster by the router's own TF-IDF centroid distance
 and threshold, or opens a new one, so mixed unknown traffic becomes several routes, not one. After
 ``new_route_requests`` requests a cluster re-tunes like a route (its next requests decode with the
@@ -56,6 +63,7 @@ from autotune.records import ResultMetrics, clip_prompt
 from autotune.resolve import strategy_key
 from autotune.serving.adapt_settings import AdaptSettings
 from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, make_vectorizer
+from autotune.serving.routing import GENERAL_TASK
 from autotune.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats
@@ -275,9 +283,13 @@ class Adapter:
         if choice.route in ADAPTIVE_ROUTES_EXCLUDED:
             return self._plainly_measured(job, self.worker.decoder(choice.strategy).generate(
                 job.ids, job.cfg, after_round=after_round))
+        if choice.route == UNKNOWN and choice.entry is None:  # no general entry yet: the server's default
+            default = self.book.default
+            choice = job.choice = replace(choice, strategy=default, label="default" if default.speculates else "plain")
         health = self._health(choice)
         cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
-        retune = self.retunes.get(choice.route if cluster is None else f"{UNKNOWN}#{cluster}")
+        retune = (self.retunes.get(f"{UNKNOWN}#{cluster}") if cluster is not None else None) \
+            or self.retunes.get(choice.route)
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
             result = retune.generate(job.ids, job.cfg, job.text, after_round)
@@ -289,10 +301,10 @@ class Adapter:
             size = self.pending.add(cluster, job.text)
             if size >= self.settings.new_route_requests:
                 self._start(health, f"{size} requests far from every route", cluster)
-            return result
+                return result
         health.observe(result.stats, self.settings.ewma)
         reason = judge(health, self._plain_tps(), self.settings)
-        if reason is not None:
+        if reason is not None and choice.route not in self.retunes:
             health.fallbacks += reason.startswith("slower")
             self._start(health, reason)
         return result
@@ -363,9 +375,10 @@ class Adapter:
             texts = self.pending.texts(cluster)
             taken = {e.task for e in self.book.entries} | {r.task for r in self.retunes.values()}
             task, prompts, supersedes = unique_name(new_route_name(texts, known), taken), texts, None
-        else:
-            entry = next((e for e in self.book.entries if e.task == health.route), None)
-            task, prompts, supersedes = health.route, list(entry.prompts) if entry else [], health.history_id
+        else:  # a route, or ``unknown`` as a whole: its result is the general entry
+            task = GENERAL_TASK if health.route == UNKNOWN else health.route
+            entry = next((e for e in self.book.entries if e.task == task), None)
+            prompts, supersedes = list(entry.prompts) if entry else [], health.history_id
         retune = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason, cluster)
         self.retunes[retune.key] = retune
         health.retunes += 1

@@ -229,6 +229,58 @@ def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
                 assert info["route"] == by_kind[kind] and ids == plain_ids(pool, smollm, text, 16)
 
 
+@pytest.mark.slow
+def test_unknown_traffic_starts_on_the_servers_default(pool, smollm, tmp_path):
+    """With nothing stored for unknown traffic, an adaptive server decodes it with its default
+    strategy (a draft chain when a draft is served; SmolLM2 drafts for itself here) and watches it
+    like a route; a server that does not adapt keeps it plain."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    with open_storage(url) as storage:
+        for adaptive, label in ((AdaptSettings(), "default"), (None, "plain")):
+            server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, adaptive=adaptive),
+                                  storage, pool=pool)
+            with LiveServer(server) as live:
+                got, ids, info = chat(live.client(), TRANSLATE[0], max_tokens=16)
+                assert info["route"] == "unknown" and info["strategy"] == label
+                assert (info["drafted"] > 0) == (label == "default")
+                assert ids == plain_ids(pool, smollm, TRANSLATE[0], 16)
+                if adaptive is not None:
+                    assert server.worker.adapter.describe()["unknown"]["requests"] == 1
+
+
+@pytest.mark.slow
+def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path):
+    """The general entry (task ``prompts``: what unknown traffic decodes with) is judged like a
+    route: stored from HumanEval with the acceptance lookup measured there, it receives GSM8K
+    traffic far from its prompts, drifts, re-tunes on that traffic and is replaced with history."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    tokens = 32
+    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
+    key = strategy_key(smollm, None, "prompts", "cpu")
+    with open_storage(url) as storage:
+        old = storage.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance),
+                             prompts=TRANSLATE)
+        settings = AdaptSettings(min_requests=2, retune_requests=2, new_route_requests=60)
+        # a tight route distance: every GSM8K request is "unknown" and decodes with the general entry
+        server = build_server(ServeConfig(model=MODEL, storage=url, route_distance=0.01, adaptive=settings),
+                              storage, pool=pool)
+        with LiveServer(server) as live:
+            client = live.client()
+            states = []
+            for text in texts("gsm8k", 12, 0):
+                _, ids, info = chat(client, text, max_tokens=tokens)
+                assert ids == plain_ids(pool, smollm, text, tokens)
+                assert info["route"] == "unknown"
+                states.append(info["state"])
+                if server.worker.adapter.events and server.worker.adapter.events[-1]["event"] == "stored":
+                    break
+            assert "tuning" in states, states
+            [stored] = [e for e in server.worker.adapter.events if e["event"] == "stored"]
+            assert stored["route"] == "unknown" and stored["task"] == "prompts"
+            best = next(b for b in storage.list_best() if b.key.task == "prompts")
+            assert best.history_id != old and len(storage.history(key)) == 2
+
+
 def _pg_database(base: str, name: str) -> str:
     import psycopg
 

@@ -441,6 +441,31 @@ def test_tuning_goes_on_across_prompts(target, draft):
     assert seen[1][0] > seen[0][0] and seen[1][1] > seen[0][1]
 
 
+def test_seeds_are_rescored_on_every_fresh_window(target, draft):
+    """A reference point (the draft's chain and small tree, prompt lookup) scored once on an
+    unrepresentative window would be ruled out for good; once tried, each is re-scored on every
+    fresh window (its plan's matches are cached there: no forward of its own)."""
+    decoder, tuner, clock = joint_tuner(target, draft, max_trials=500, patience=500, trials_per_round=1,
+                                        min_trials=500, switch_margin=0.99)  # few races
+    windows: dict[Strategy, set[tuple[int, ...]]] = {}
+    score = tuner.score
+
+    def spy(dec, strategy, tokens):
+        windows.setdefault(strategy, set()).add(tuple(tokens))
+        return score(dec, strategy, tokens)
+
+    tuner.score = spy
+    tuner.start_prompt(len(PROMPT))
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=96), before_round=clock.hook(tuner))
+    assert out.tokens == Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
+    assert tuner.state.windows >= 4
+    free = [s for s in get_space("auto").seeds(tuner.ctx) if s.layer_plan is None or s.layer_plan.is_identity]
+    assert {s.drafter for s in free} == {"draft-model", "prompt-lookup"} and len(free) >= 3
+    assert set(tuner.watched) == set(free)
+    for seed in free:  # scored on its first window and on each fresh window after it
+        assert len(windows[seed]) >= tuner.state.windows - 1, (seed, len(windows[seed]), tuner.state.windows)
+
+
 def test_lookup_replay_matches_a_brute_force_count():
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2]
     window, k = 10, 4
