@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from autotune.errors import CliError
 
 
+PENDING_TEXTS = 64
+"""Unknown requests a pending cluster remembers (the first ones become a new route's prompts)."""
+
+
 @dataclass(frozen=True)
 class AdaptSettings:
     """``autotune serve --adaptive`` settings (see the module docstring)."""
@@ -32,6 +36,9 @@ class AdaptSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CliError(f"adaptive setting {name}={value!r} must be a positive integer")
+        if self.new_route_requests > PENDING_TEXTS:
+            raise CliError(f"adaptive setting new_route_requests={self.new_route_requests} must be at most "
+                           f"{PENDING_TEXTS} (the requests a pending cluster of unknown traffic keeps)")
         for name, lo, hi in (("ewma", 0.0, 1.0), ("acceptance_drop", 0.0, 1.0), ("slower_margin", 0.0, 1.0),
                              ("retune_share", 0.0, 1.0), ("acceptance_floor_drop", 0.0, 1.0)):
             value = getattr(self, name)

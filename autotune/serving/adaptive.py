@@ -61,7 +61,7 @@ from sklearn.preprocessing import normalize
 from autotune.cost_model import MeasuredCostModel
 from autotune.records import ResultMetrics, clip_prompt
 from autotune.resolve import strategy_key
-from autotune.serving.adapt_settings import AdaptSettings
+from autotune.serving.adapt_settings import PENDING_TEXTS, AdaptSettings
 from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, make_vectorizer
 from autotune.serving.routing import GENERAL_TASK
 from autotune.tuner import OnlineTuner, TunerSettings
@@ -71,7 +71,6 @@ from search_spaces.strategy import PLAIN, Strategy
 
 ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
 NEW_ROUTE_PREFIX = "auto:"
-PENDING_TEXTS = 64  # unknown requests remembered per pending cluster (the first ones are its prompts)
 PENDING_CLUSTERS = 8  # pending clusters kept at once; a new one beyond this drops the stalest
 EVENTS_KEPT = 256
 

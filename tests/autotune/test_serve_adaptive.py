@@ -116,7 +116,8 @@ def test_new_route_names_never_overwrite_a_route():
 
 
 @pytest.mark.parametrize("field,value", [("min_requests", 0), ("acceptance_drop", 0.0), ("retune_share", 1.5),
-                                          ("ewma", True), ("new_route_requests", 2.5)])
+                                          ("ewma", True), ("new_route_requests", 2.5),
+                                          ("new_route_requests", 65), ("recheck_plain_requests", 0)])
 def test_settings_are_validated(field, value):
     with pytest.raises(CliError, match=field):
         AdaptSettings(**{field: value})
