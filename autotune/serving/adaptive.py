@@ -45,7 +45,6 @@ feed plain decoding's measured speed). Everything here runs on the decode worker
 """
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections import deque
@@ -62,7 +61,7 @@ from autotune.cost_model import MeasuredCostModel
 from autotune.records import ResultMetrics, clip_prompt
 from autotune.resolve import strategy_key
 from autotune.serving.adapt_settings import PENDING_TEXTS, AdaptSettings
-from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, make_vectorizer
+from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
 from autotune.serving.routing import GENERAL_TASK
 from autotune.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
@@ -167,10 +166,8 @@ class PendingClusters:
             ids = list(self.clusters)
             texts = [clip_prompt(t) for cid in ids for t in self.clusters[cid]]
             vectors = normalize(make_vectorizer().fit_transform([*texts, clip_prompt(text)]))
-            bounds = np.cumsum([0, *(len(self.clusters[cid]) for cid in ids)])
-            centroids = normalize(np.vstack([np.asarray(vectors[lo:hi].mean(axis=0))
-                                             for lo, hi in itertools.pairwise(bounds)]))
-            distances = 1.0 - np.asarray(vectors[len(texts):] @ centroids.T).ravel()
+            means = centroids(vectors[:len(texts)], [len(self.clusters[cid]) for cid in ids])
+            distances = 1.0 - np.asarray(vectors[len(texts):] @ means.T).ravel()
             nearest = int(distances.argmin())
             if distances[nearest] < self.threshold:
                 return ids[nearest]

@@ -33,7 +33,8 @@ from sklearn.preprocessing import normalize
 from autotune.records import clip_prompt
 from search_spaces.strategy import Strategy
 
-__all__ = ["DEFAULT_ROUTE_DISTANCE", "UNKNOWN", "RouteDecision", "RouteEntry", "TaskRouter", "make_vectorizer"]
+__all__ = ["DEFAULT_ROUTE_DISTANCE", "UNKNOWN", "RouteDecision", "RouteEntry", "TaskRouter", "centroids",
+           "make_vectorizer"]
 
 DEFAULT_ROUTE_DISTANCE = 0.65  # measured: autotune.serving.router_eval
 UNKNOWN = "unknown"
@@ -105,10 +106,8 @@ class TaskRouter:
             return self
         vectorizer = make_vectorizer()
         matrix = normalize(vectorizer.fit_transform([t for _, texts in usable for t in texts]))
-        sizes = [len(texts) for _, texts in usable if texts]
-        bounds = np.cumsum([0, *sizes])
-        means = np.vstack([np.asarray(matrix[lo:hi].mean(axis=0)) for lo, hi in itertools.pairwise(bounds)])
-        self._fitted = _Fitted(entries=routable, vectorizer=vectorizer, centroids=normalize(means))
+        cents = centroids(matrix, [len(texts) for _, texts in usable if texts])
+        self._fitted = _Fitted(entries=routable, vectorizer=vectorizer, centroids=cents)
         return self
 
     def distances(self, texts: Sequence[str]) -> np.ndarray:
@@ -126,6 +125,13 @@ class TaskRouter:
             entry = fitted.entries[best]
             return RouteDecision(entry.task, distance, entry)
         return RouteDecision(UNKNOWN, distance, None)
+
+
+def centroids(vectors, sizes: Sequence[int]) -> np.ndarray:
+    """L2-normalised mean of each consecutive group of ``sizes`` rows of L2-normalised ``vectors``:
+    ``[len(sizes), vocab]``."""
+    bounds = np.cumsum([0, *sizes])
+    return normalize(np.vstack([np.asarray(vectors[lo:hi].mean(axis=0)) for lo, hi in itertools.pairwise(bounds)]))
 
 
 def _distances(fitted: _Fitted, texts: Sequence[str]) -> np.ndarray:

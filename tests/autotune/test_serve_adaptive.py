@@ -145,6 +145,14 @@ def texts(task: str, n: int, offset: int) -> list[str]:
     return [routing_text(p) for p in load_prompts(task, None, n, offset)]
 
 
+def store_humaneval_lookup(storage, pool, smollm, task: str, prompts: list[str], tokens: int) -> tuple[object, int]:
+    """Store LOOKUP under ``task`` with the acceptance and speed it measured on HumanEval (what a
+    study would have stored): -> (its key, its history row)."""
+    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
+    key = strategy_key(smollm, None, task, "cpu")
+    return key, storage.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance), prompts=prompts)
+
+
 @pytest.mark.slow
 def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path):
     """A route stored from HumanEval (prompt lookup, with the acceptance it measured there)
@@ -152,11 +160,8 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
     decodes plainly while it re-tunes, and the re-tuned result replaces the entry (history kept)."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     tokens = 32
-    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
-    key = strategy_key(smollm, None, "humaneval", "cpu")
     with open_storage(url) as storage:
-        old = storage.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance),
-                             prompts=texts("humaneval", 8, 0))
+        key, old = store_humaneval_lookup(storage, pool, smollm, "humaneval", texts("humaneval", 8, 0), tokens)
         settings = AdaptSettings(min_requests=2, retune_requests=3)
         # every request routes to the one stored task (the GSM8K traffic lands on HumanEval's route)
         server = build_server(ServeConfig(model=MODEL, storage=url, route_distance=0.99, adaptive=settings),
@@ -256,11 +261,8 @@ def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path)
     traffic far from its prompts, drifts, re-tunes on that traffic and is replaced with history."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     tokens = 32
-    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
-    key = strategy_key(smollm, None, "prompts", "cpu")
     with open_storage(url) as storage:
-        old = storage.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance),
-                             prompts=TRANSLATE)
+        key, old = store_humaneval_lookup(storage, pool, smollm, "prompts", TRANSLATE, tokens)
         settings = AdaptSettings(min_requests=2, retune_requests=2, new_route_requests=60)
         # a tight route distance: every GSM8K request is "unknown" and decodes with the general entry
         server = build_server(ServeConfig(model=MODEL, storage=url, route_distance=0.01, adaptive=settings),
