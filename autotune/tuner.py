@@ -14,7 +14,11 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    strategy's correction (below) - and tells the study. A candidate predicted ``switch_margin``
    faster than the incumbent *on the same window* joins the race.
 2. **Races** (``_new_window``): each time ``window`` new tokens have been decoded, the incumbent
-   and the racers are re-scored on the fresh window; a racer that no longer wins drops out. One
+   and the racers are re-scored on the fresh window; a racer that no longer wins drops out. Then
+   the free families are **swept** (``_sweep``): the draft model's all-layer plan (scored by its
+   catch-up forward), prompt lookup and the incumbent's plan are scored at every point of their
+   grids (``SearchSpace.sweep``: lengths x thresholds x tree heads) - arithmetic on the window's
+   cached matches - and the best few predicted ``switch_margin`` faster join the race. One
    that won on ``race_windows`` further windows decodes for ``confirm_tokens`` tokens (a measured
    trial) and replaces the incumbent only if it measured faster than the incumbent would have on
    the same tokens (plain decoding's measured speed; a speculating incumbent's corrected
@@ -103,6 +107,7 @@ class TunerSettings:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
 
+RACE_SIZE = 4  # racers kept (the best predicted)
 RECENT_ROUNDS = 48  # an incumbent's measured speed: its latest rounds (the context grows as it decodes)
 
 
@@ -163,6 +168,7 @@ class TunerState:
     windows: int = 0  # windows scored
     stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
+    swept: int = 0  # points scored by the sweeps of fresh windows (arithmetic on cached matches)
     done: bool = False
     stop_reason: str = ""
 
@@ -286,10 +292,11 @@ class OnlineTuner:
         for seed in seeds:
             self._enqueue(seed)
         # seeds whose score on a fresh window costs no forward of their own (prompt lookup; a
-        # draft's all-layer plan, scored by its catch-up forward): re-scored on every fresh window
-        # once tried, so one unrepresentative first window does not rule a kind of drafter out
-        self.watched: dict[Strategy, int] = {}  # seed -> the trial number it was first tried as
-        self._watchable = {s for s in seeds if s.speculates and (s.layer_plan is None or s.layer_plan.is_identity)}
+        # draft's all-layer plan, scored by its catch-up forward): their families (``sweep``) are
+        # scored on every fresh window, so one unrepresentative window does not rule a kind of
+        # drafter out, and lengths, thresholds and tree heads are compared where it costs nothing
+        self._free = [s for s in seeds if s.speculates and (s.layer_plan is None or s.layer_plan.is_identity)]
+        self._families: dict[tuple[str, Any], list[Strategy]] = {}  # (drafter, plan) -> its sweep grid
 
     # ----------------------------------------------------------------- decode hooks
     @property
@@ -475,26 +482,69 @@ class OnlineTuner:
         ready = [r for r in survivors if r.wins >= self.settings.race_windows]
         if ready:
             self._measure(decoder, max(ready, key=lambda r: r.score))
-        for seed, trial in self.watched.items():  # each kind's reference point, on this window too
-            if seed in self.race or state.done:  # a stopped tuner only finishes its race
-                continue
-            got = self.score(decoder, seed, tokens)
-            if got is not None and self._join_race(seed, trial, *got, incumbent) and seed in self.race:
-                survivors.append(self.race[seed])  # the incumbent did not lead on this window
+        if not state.done:  # a stopped tuner only finishes its race
+            survivors += self._sweep(decoder, tokens, incumbent)
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
             self._enqueue(near)
         # the incumbent led on this window if candidates were tried since the last one and none
         # survived (a window without trials - the budget spent - says nothing)
+        tried = state.trials + state.swept
         if survivors:
             state.stable = 0
-        elif state.trials > self._trials_at_window:
+        elif tried > self._trials_at_window:
             state.stable += 1
-        self._trials_at_window = state.trials
+        self._trials_at_window = tried
         self._asked_at_window = 0
         if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
             state.done = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
         self._maybe_stop()
+
+    def family(self, strategy: Strategy) -> list[Strategy]:
+        """``strategy``'s sweep grid (``SearchSpace.sweep``), built once per drafter and plan."""
+        plan = strategy.layer_plan
+        key = (strategy.drafter, None if plan is None or plan.is_identity else plan)
+        if key not in self._families:
+            self._families[key] = self.space.sweep(strategy, self.ctx)
+        return self._families[key]
+
+    def _sweep(self, decoder: Decoder, tokens: list[int], incumbent: float) -> list[Racer]:
+        """Score the free families (the seeds' whose plans cost no forward of their own, and the
+        incumbent's, scored on this window anyway) at every point of their grids; the best few
+        predicted ``switch_margin`` above the incumbent join the race, each told to the study as a
+        trial (sampler ``sweep``). -> the racers that joined."""
+        running = {self.incumbent.strategy} | ({self.challenger.strategy} if self.challenger else set())
+        points: dict[Strategy, None] = dict.fromkeys(self._free)  # the seeds too (a cut tree is off the grid)
+        for base in [*self._free, self.incumbent.strategy]:
+            points.update(dict.fromkeys(self.family(base)))
+        scored = []
+        for s in points:
+            if s in self.race or s in running:
+                continue
+            got = self.score(decoder, s, tokens)
+            if got is None:
+                continue
+            self.state.swept += 1
+            if got[0] > incumbent * (1.0 + self.settings.switch_margin):
+                scored.append((got, s))
+        joined = []
+        for (score, raw, rate), s in sorted(scored, key=lambda x: -x[0][0])[:RACE_SIZE]:
+            trial = self._tell_swept(s, score, raw, rate)
+            if self._join_race(s, trial, score, raw, rate, incumbent) and s in self.race:
+                self.state.since_improvement = 0
+                joined.append(self.race[s])
+        return joined
+
+    def _tell_swept(self, strategy: Strategy, score: float, raw: float, rate: float) -> int:
+        """Record a swept point as a finished trial of the working study (-> its number)."""
+        params = self.space.encode(strategy, self.ctx)
+        fixed, _ = self.space._replay(params, self.ctx)
+        self.study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=dict(fixed.distributions), value=score,
+            user_attrs={"sampler": "sweep", "drafter": strategy.drafter, "matchness": rate, "raw_tps": raw},
+        ))
+        self.state.trials += 1
+        return len(self.study.get_trials(deepcopy=False)) - 1
 
     def _enqueue(self, strategy: Strategy) -> None:
         if strategy.speculates and strategy not in self._queued:
@@ -577,8 +627,6 @@ class OnlineTuner:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
             return False
         score, raw, rate = got
-        if strategy in self._watchable:
-            self.watched.setdefault(strategy, trial.number)
         trial.set_user_attr("sampler", "enqueued" if enqueued else ("bayes" if use_bayes else "random"))
         trial.set_user_attr("drafter", strategy.drafter)
         trial.set_user_attr("matchness", rate)
@@ -602,7 +650,7 @@ class OnlineTuner:
             self.race[strategy] = Racer(strategy, trial, score, raw, rate, raws=[raw])
         elif score > racer.score:
             racer.trial, racer.score, racer.raw, racer.matchness = trial, score, raw, rate
-        if len(self.race) > 4:  # keep the best few
+        if len(self.race) > RACE_SIZE:  # keep the best few
             worst = min(self.race.values(), key=lambda r: r.score)
             del self.race[worst.strategy]
         return True

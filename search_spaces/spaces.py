@@ -38,6 +38,10 @@ MIN_DRAFT_LENGTH = 2
 # SWIFT's maximum draft length N_D; also the longest chain whose swift-dynamic tree fits MAX_TREE_NODES
 MAX_SPACE_DRAFT_LENGTH = MAX_TREE_NODES // max(k for _, k in SWIFT_DYNAMIC_WIDTHS)
 MAX_THRESHOLD, THRESHOLD_STEP = 0.9, 0.05
+# the grid ``SearchSpace.sweep`` scores a family on (and the `chain` space's points)
+CHAIN_LENGTHS = SWEEP_LENGTHS = (2, 4, 6, 8, 10, 12)
+CHAIN_THRESHOLDS = SWEEP_THRESHOLDS = (0.0, 0.3, 0.6)
+SWEEP_HEADS = ((1, 1), (2, 1), (2, 2))  # tree widths at depths 1 and 2 (then a chain)
 MAX_LP_SIZE = 4
 
 # tree menu of the `draft` space: name -> (leading tree widths, then 1s up to draft_length; dynamic table).
@@ -181,6 +185,34 @@ class SearchSpace(ABC):
                 near = None
             if near is not None and near != strategy and near not in out:
                 out.append(near)
+        return out
+
+    def sweep(self, strategy: Strategy, ctx: SpaceContext) -> list[Strategy]:
+        """``strategy``'s family on a grid: the points of the space with its drafter and layer plan
+        at every ``SWEEP_LENGTHS`` length up to ``max_draft_length`` (and that), every ``SWEEP_THRESHOLDS``
+        threshold and every ``SWEEP_HEADS`` tree head (the last two where the drafter has them).
+        Once the plan's matches on a window are cached, scoring the whole family there is
+        arithmetic, no forward: the tuner scores it on every fresh window."""
+        if not strategy.speculates:
+            return []
+        lengths = sorted({n for n in SWEEP_LENGTHS if n <= ctx.max_draft_length} | {ctx.max_draft_length})
+        if strategy.drafter == "prompt-lookup":
+            grid = [replace(strategy, draft_length=n) for n in lengths]
+        else:
+            grid = []
+            for head in SWEEP_HEADS:
+                for n in lengths:
+                    widths = _fit_widths(head, n)
+                    for t in SWEEP_THRESHOLDS:
+                        try:
+                            grid.append(replace(strategy, draft_length=n, confidence_threshold=t, dynamic_widths=None,
+                                                tree_widths=None if all(w == 1 for w in widths) else widths))
+                        except StrategyError:
+                            continue
+        out: list[Strategy] = []
+        for s in grid:
+            if s not in out and self._holds(s, ctx):
+                out.append(s)
         return out
 
     def _holds(self, strategy: Strategy, ctx: SpaceContext) -> bool:
@@ -585,8 +617,6 @@ class AutoSpace(SearchSpace):
         return ctx.max_draft_length
 
 
-CHAIN_LENGTHS = (2, 4, 6, 8, 10, 12)
-CHAIN_THRESHOLDS = (0.0, 0.3, 0.6)
 
 
 def _chain_lengths(ctx: SpaceContext) -> list[int]:

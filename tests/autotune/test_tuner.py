@@ -441,10 +441,11 @@ def test_tuning_goes_on_across_prompts(target, draft):
     assert seen[1][0] > seen[0][0] and seen[1][1] > seen[0][1]
 
 
-def test_seeds_are_rescored_on_every_fresh_window(target, draft):
-    """A reference point (the draft's chain and small tree, prompt lookup) scored once on an
-    unrepresentative window would be ruled out for good; once tried, each is re-scored on every
-    fresh window (its plan's matches are cached there: no forward of its own)."""
+def test_free_families_are_swept_on_every_fresh_window(target, draft):
+    """A reference point (the draft's chain, prompt lookup) scored once on an unrepresentative
+    window would be ruled out for good; instead every point of the free families (the draft's
+    all-layer plan and prompt lookup at every grid length, threshold and tree head: their plans'
+    matches are cached on the window, no forward of their own) is scored on every fresh window."""
     decoder, tuner, clock = joint_tuner(target, draft, max_trials=500, patience=500, trials_per_round=1,
                                         min_trials=500, switch_margin=0.99)  # few races
     windows: dict[Strategy, set[tuple[int, ...]]] = {}
@@ -459,11 +460,33 @@ def test_seeds_are_rescored_on_every_fresh_window(target, draft):
     out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=96), before_round=clock.hook(tuner))
     assert out.tokens == Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
     assert tuner.state.windows >= 4
-    free = [s for s in get_space("auto").seeds(tuner.ctx) if s.layer_plan is None or s.layer_plan.is_identity]
+    space = get_space("auto")
+    free = [s for s in space.seeds(tuner.ctx) if s.layer_plan is None or s.layer_plan.is_identity]
     assert {s.drafter for s in free} == {"draft-model", "prompt-lookup"} and len(free) >= 3
-    assert set(tuner.watched) == set(free)
-    for seed in free:  # scored on its first window and on each fresh window after it
-        assert len(windows[seed]) >= tuner.state.windows - 1, (seed, len(windows[seed]), tuner.state.windows)
+    grid = {p for s in free for p in space.sweep(s, tuner.ctx)}
+    assert {p.draft_length for p in grid} == {2, 4, 6}  # max_draft_length=6
+    grid |= set(free)
+    assert {p.confidence_threshold for p in grid if p.drafter == "draft-model"} == {0.0, 0.3, 0.6}
+    assert any(p.tree_widths for p in grid)  # trees are free too (top-w hits of the same forward)
+    assert tuner.state.swept >= len(grid) * (tuner.state.windows - 1)
+    for point in grid:  # every point scored on every window (racing ones as racers), the first excepted
+        assert len(windows[point]) >= tuner.state.windows - 1, (point, len(windows[point]), tuner.state.windows)
+
+
+def test_a_swept_winner_races_and_is_told_as_a_trial(target, draft):
+    """Drafting priced cheap: a swept point beats plain decoding on a window, joins the race as a
+    trial of sampler ``sweep`` (so the Bayesian sampler learns from it), and output stays plain's."""
+    decoder, tuner, clock = joint_tuner(target, draft, max_trials=500, patience=500, trials_per_round=1,
+                                        min_trials=500)
+    tuner.start_prompt(len(PROMPT))
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=64), before_round=clock.hook(tuner))
+    assert out.tokens == Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=64)).tokens
+    swept = [t for t in tuner.study.trials if t.user_attrs.get("sampler") == "sweep"]
+    assert swept and all(t.state.is_finished() and t.value > 0 for t in swept)
+    space = get_space("auto")
+    for t in swept:  # each is the point it names, and a point of the space
+        assert space.encode(space.define(optuna.trial.FixedTrial(t.params), tuner.ctx), tuner.ctx) == t.params
+    assert tuner.state.measured_trials >= 1
 
 
 def test_lookup_replay_matches_a_brute_force_count():
