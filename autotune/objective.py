@@ -34,13 +34,22 @@ def _hit_column(width: int) -> int:
     return max(i for i, k in enumerate(TOP_K) if k <= max(width, 1))
 
 
-def replay(strategy: Strategy, match: Match) -> tuple[float, float, float]:
+def _starts(window: int, k: int, horizon: int | None) -> range:
+    """The window's start positions a round is replayed from: those leaving room for a draft of
+    ``horizon`` tokens (default: this strategy's own length). Strategies compared with each other
+    take one horizon, so that each is averaged over the same positions (a longer draft would
+    otherwise be judged on fewer, earlier ones)."""
+    h = max(k, horizon or 0)
+    return range(max(1, window - h)) if window > h else range(window)
+
+
+def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tuple[float, float, float]:
     """-> (mean accepted drafts, mean drafted tokens, mean extra draft forwards) per round."""
     k, eps = strategy.draft_length, strategy.confidence_threshold
     widths = strategy.tree_widths or (1,) * k
     hits, conf = match.hits, match.confidence.tolist()
     w = match.window
-    starts = range(max(1, w - k)) if w > k else range(w)
+    starts = _starts(w, k, horizon)
     acc_total = drafted_total = forwards_total = 0.0
     for i in starts:
         accepted, alive, drafted, forwards = 0, True, 0, 0
@@ -64,8 +73,8 @@ def replay(strategy: Strategy, match: Match) -> tuple[float, float, float]:
     return acc_total / n, drafted_total / n, forwards_total / n
 
 
-def predict(strategy: Strategy, match: Match, cost: CostModel) -> Prediction:
-    accepted, _, extra_forwards = replay(strategy, match)
+def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
+    accepted, _, extra_forwards = replay(strategy, match, horizon)
     step = cost.draft_forward_s(strategy.layer_plan)
     plan = strategy.layer_plan
     calibrates = strategy.drafter == "draft-model" and strategy.calibrate and plan is not None and not plan.is_identity
@@ -85,12 +94,13 @@ def predict_plain(cost: CostModel) -> Prediction:
     return Prediction(tokens_per_round=1.0, draft_forwards=0.0, seconds_per_round=cost.plain_step_s(), draft_seconds=0.0)
 
 
-def predict_lookup(strategy: Strategy, match: LookupMatch, cost: CostModel) -> Prediction:
+def predict_lookup(strategy: Strategy, match: LookupMatch, cost: CostModel, horizon: int | None = None) -> Prediction:
     """Prompt lookup: drafting is a dict lookup (no forward); a round that found a match verifies
     at the padded width, one that found none is a plain single-row step. Averaged over the
-    window's start positions that leave room for a full draft (as ``replay`` does)."""
+    window's start positions that leave room for a draft of ``horizon`` (as ``replay`` does): on
+    the same positions a longer lookup never predicts slower, as at one verify width it is not."""
     k, w = strategy.draft_length, match.window
-    starts = range(max(1, w - k)) if w > k else range(w)
+    starts = _starts(w, k, horizon)
     n = max(len(starts), 1)
     accepted = sum(min(match.accepted[i], k) for i in starts) / n
     drafting = sum(match.proposed[i] > 0 for i in starts) / n

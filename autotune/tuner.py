@@ -214,7 +214,7 @@ def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tok
             if not usable_window(len(tokens), drafter.cache.length, window):
                 return None
         match = tuner.window_cache[key] = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, window)
-    return predict(strategy, match, tuner.cost), match.rate
+    return predict(strategy, match, tuner.cost, tuner.ctx.max_draft_length), match.rate
 
 
 def _score_lookup(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float]:
@@ -223,7 +223,7 @@ def _score_lookup(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, to
     if match is None:
         match = tuner.window_cache[key] = lookup_match(tokens, tuner.settings.window, tuner.ctx.max_draft_length)
     assert isinstance(match, LookupMatch)
-    return predict_lookup(strategy, match, tuner.cost), match.rate
+    return predict_lookup(strategy, match, tuner.cost, tuner.ctx.max_draft_length), match.rate
 
 
 # drafter kind -> how a strategy of that kind is scored on the current window
@@ -528,7 +528,8 @@ class OnlineTuner:
             if got[0] > incumbent * (1.0 + self.settings.switch_margin):
                 scored.append((got, s))
         joined = []
-        for (score, raw, rate), s in sorted(scored, key=lambda x: -x[0][0])[:RACE_SIZE]:
+        # ties go to the longer draft (at one verify width, no slower where predictions agree)
+        for (score, raw, rate), s in sorted(scored, key=lambda x: (-x[0][0], -x[1].draft_length))[:RACE_SIZE]:
             trial = self._tell_swept(s, score, raw, rate)
             if self._join_race(s, trial, score, raw, rate, incumbent) and s in self.race:
                 self.state.since_improvement = 0

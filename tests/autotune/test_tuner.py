@@ -506,6 +506,26 @@ def test_lookup_replay_matches_a_brute_force_count():
     assert p.draft_seconds == 0 and 1.0 <= p.tokens_per_round <= 3.0
 
 
+def test_lengths_are_compared_on_the_same_start_positions():
+    """With one horizon every length is replayed from the same positions, so at one verify width a
+    longer lookup never predicts slower; judged each on its own positions, shorter lengths are
+    credited with the window's tail too (here where the copying is), which narrows the gap
+    between lengths or reverses it (the bias the horizon removes)."""
+    copied = list(range(200, 220))
+    tokens = list(range(100, 120)) + copied + list(range(300, 310)) + copied  # the window: 10 new, then a copy
+    match = lookup_match(tokens, 30, 12)
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1.0)
+    own = [predict_lookup(Strategy(drafter="prompt-lookup", draft_length=k), match, cost).tokens_per_s
+           for k in (2, 4, 6, 8, 10, 12)]
+    same = [predict_lookup(Strategy(drafter="prompt-lookup", draft_length=k), match, cost, horizon=12).tokens_per_s
+            for k in (2, 4, 6, 8, 10, 12)]
+    assert all(a <= b for a, b in zip(same, same[1:])) and same[-1] > same[0]
+    assert own != same
+    chain = synthetic([True] * 20 + [False] * 4, [1.0] * 24)
+    for k in (2, 4, 8):  # the horizon only chooses positions: all-hit positions give k accepted either way
+        assert replay(Strategy(draft_length=k, confidence_threshold=0.0), chain, horizon=12)[0] == k
+
+
 def test_settings_are_validated():
     with pytest.raises(SpaceError, match="window"):
         TunerSettings(window=0)
