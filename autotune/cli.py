@@ -528,7 +528,8 @@ def format_study(report: Any) -> str:
         ("speedup vs plain", f"{report.speedup:.2f}x, outputs {'identical' if report.identical else 'DIFFERENT'}"),
         ("predicted / measured", _ratio_text(t.get("stored") or {})),
         ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
-                         f"({t['trials']} trials, {t.get('measured_trials', 0)} measured)"),
+                         f"({t['trials']} trials, {t.get('measured_trials', 0)} measured; "
+                         f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
         ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
     ]
     for k, v in rows:

@@ -29,6 +29,7 @@ SAMPLERS = {  # trial user attr "sampler" -> (legend label, marker, colour); mis
     "random": ("random", "o", "tab:blue"),
     "bayes": ("Bayesian", "^", "tab:orange"),
     "enqueued": ("enqueued (start)", "s", "tab:green"),
+    "sweep": ("grid sweep (raced)", "D", "tab:purple"),
 }
 
 

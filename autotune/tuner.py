@@ -719,6 +719,7 @@ class OnlineTuner:
             "rounds_over_budget": self.state.skipped_for_budget,
             "windows": self.state.windows,
             "measured_trials": self.state.measured_trials,
+            "swept": self.state.swept,
             "rejected": [
                 {"trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": k.predicted_tps,
                  "measured_tps": k.measured_tps, "incumbent_tps": k.bar_tps}

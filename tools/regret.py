@@ -87,8 +87,9 @@ def main() -> int:
         "pick_strategy": pick.to_dict(), "best": best, "regret": regret,
         "tokens_per_s": dict(sorted(tps.items(), key=lambda kv: -kv[1])),
         "identical": all(outputs[name] == outputs["plain"] for name in outputs),
-        "study": {"trials": report.tuner["trials"], "tuning_share": report.tuning_share,
-                  "stop_reason": report.tuner["stop_reason"]},
+        "study": {"tuning_share": report.tuning_share,
+                  **{k: report.tuner.get(k) for k in ("trials", "swept", "windows", "measured_trials", "stop_reason",
+                                                      "switches", "kept", "rejected", "reverted")}},
     }
     for name, value in result["tokens_per_s"].items():
         mark = " <- pick" if name == result["pick"] else (" <- best" if name == best else "")
