@@ -110,7 +110,10 @@ def _ours(strategy_of: Callable[[BenchContext], Strategy]) -> MethodFactory:
 
 
 def _shaped(ctx: BenchContext, s: Strategy) -> Strategy:
-    """Method options ``kN`` (draft length) and ``tW-W-...`` (tree widths, one per depth) applied."""
+    """Method options ``kN`` (draft length), ``tW-W-...`` (tree widths, one per depth) and
+    ``lookup`` (prompt lookup first, the draft model elsewhere) applied."""
+    if ctx.options.get("lookup") == "on":
+        s = replace(s, lookup_first=True)
     if "t" in ctx.options:
         widths = tuple(int(w) for w in ctx.options["t"].split("-"))
         return replace(s, draft_length=len(widths), tree_widths=widths, dynamic_widths=None)
@@ -208,6 +211,7 @@ METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
     "lp": lambda rest: ("lp", str(int(rest))),
     "r": lambda rest: ("r", str(float(rest))),
     "nocal": lambda rest: ("cal", "off"),
+    "lookup": lambda rest: ("lookup", "on"),
     "cal": lambda rest: ("cal", "on"),
     "task=": lambda rest: ("task", _nonempty(rest)),
     "db=": lambda rest: ("db", _existing_file(rest)),
@@ -250,15 +254,15 @@ def parse_method(text: str) -> MethodSpec:
     for opt in opts:
         prefix = next((p for p in sorted(METHOD_OPTIONS, key=len, reverse=True) if opt.startswith(p)), None)
         try:
-            if prefix is None or (prefix in ("nocal", "cal") and opt != prefix):
+            if prefix is None or (prefix in ("nocal", "cal", "lookup") and opt != prefix):
                 raise ValueError
             parsed.append(METHOD_OPTIONS[prefix](opt[len(prefix):]))
         except ValueError:
             raise CliError(
                 f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
                 "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), db=FILE (tuned, read from that SQLite "
-                "store, which must exist), kN (draft length), tW-W-... (tree widths), e.g. easyspec:lp2:nocal, tuned:db=auto.db, "
-                "sd:k4, sd-tree:t2-1-1-1"
+                "store, which must exist), kN (draft length), tW-W-... (tree widths), lookup (prompt lookup first, the "
+                "draft model elsewhere), e.g. easyspec:lp2:nocal, tuned:db=auto.db, sd:k4, sd-tree:t2-1-1-1, sd:lookup"
             ) from None
     return MethodSpec(text, name, tuple(parsed))
 

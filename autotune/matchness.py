@@ -93,14 +93,16 @@ class LookupMatch:
         return sum(a > 0 for a in self.accepted) / self.window if self.window else 0.0
 
 
-def lookup_match(tokens: list[int], window: int, max_k: int) -> LookupMatch:
+def lookup_match(tokens: list[int], window: int, max_k: int, min_ngram: int | None = None) -> LookupMatch:
     """Replay ``PromptLookupDrafter`` over the last ``window`` tokens of ``tokens`` (the history
-    before each position is what the drafter would have held there). Pure token work, no model."""
+    before each position is what the drafter would have held there). Pure token work, no model.
+    ``min_ngram``: only n-grams of exactly that many tokens match (a draft model's
+    ``lookup_first``); default: the drafter's own 3..1."""
     from runtime.lookup import PromptLookupDrafter
 
     n = len(tokens)
     w = min(window, n - 1)
-    drafter = PromptLookupDrafter()
+    drafter = PromptLookupDrafter() if min_ngram is None else PromptLookupDrafter(max_ngram=min_ngram, min_ngram=min_ngram)
     drafter.begin(tokens[: n - w], 0)
     proposed, accepted = [], []
     for i in range(n - w, n):

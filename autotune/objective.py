@@ -43,14 +43,13 @@ def _starts(window: int, k: int, horizon: int | None) -> range:
     return range(max(1, window - h)) if window > h else range(window)
 
 
-def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tuple[float, float, float]:
-    """-> (mean accepted drafts, mean drafted tokens, mean extra draft forwards) per round."""
+def _rounds(strategy: Strategy, match: Match, starts: range) -> list[tuple[int, int, int]]:
+    """(accepted drafts, drafted tokens, extra draft forwards) of a round from each start."""
     k, eps = strategy.draft_length, strategy.confidence_threshold
     widths = strategy.tree_widths or (1,) * k
     hits, conf = match.hits, match.confidence.tolist()
     w = match.window
-    starts = _starts(w, k, horizon)
-    acc_total = drafted_total = forwards_total = 0.0
+    out = []
     for i in starts:
         accepted, alive, drafted, forwards = 0, True, 0, 0
         for d in range(k):
@@ -66,11 +65,15 @@ def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tupl
                 accepted += 1
             else:
                 alive = False
-        acc_total += accepted
-        drafted_total += drafted
-        forwards_total += forwards
-    n = max(len(starts), 1)
-    return acc_total / n, drafted_total / n, forwards_total / n
+        out.append((accepted, drafted, forwards))
+    return out
+
+
+def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tuple[float, float, float]:
+    """-> (mean accepted drafts, mean drafted tokens, mean extra draft forwards) per round."""
+    rounds = _rounds(strategy, match, _starts(match.window, strategy.draft_length, horizon))
+    n = max(len(rounds), 1)
+    return tuple(sum(r[j] for r in rounds) / n for j in range(3))  # type: ignore[return-value]
 
 
 def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
@@ -87,6 +90,33 @@ def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | No
         seconds_per_round=draft_s + cost.verify_s(),
         draft_seconds=draft_s,
     )
+
+
+def predict_lookup_first(strategy: Strategy, match: Match, copies: LookupMatch, cost: CostModel,
+                         horizon: int | None = None) -> Prediction:
+    """A draft model with ``lookup_first``: from each start, a round that finds a recurring n-gram
+    (``copies``, replayed with the strategy's n-gram) is a lookup round - its accepted copy, one
+    verify, no draft forward; any other is the model's round as ``predict`` replays it. Expected
+    tokens over expected seconds per round."""
+    w = min(match.window, copies.window)
+    skip_m, skip_c = match.window - w, copies.window - w  # align both on the last w positions
+    aligned = Match(match.hits[skip_m:], match.confidence[skip_m:])
+    k = strategy.draft_length
+    starts = _starts(w, k, horizon)
+    model_rounds = _rounds(strategy, aligned, starts)
+    step = cost.draft_forward_s(strategy.layer_plan)
+    tokens = seconds = draft = 0.0
+    for (accepted, _, forwards), i in zip(model_rounds, starts):
+        if copies.proposed[skip_c + i] > 0:
+            tokens += min(copies.accepted[skip_c + i], k) + 1.0
+            seconds += cost.verify_s()
+        else:
+            tokens += accepted + 1.0
+            draft += (1.0 + forwards) * step
+            seconds += (1.0 + forwards) * step + cost.verify_s()
+    n = max(len(starts), 1)
+    return Prediction(tokens_per_round=tokens / n, draft_forwards=0.0, seconds_per_round=seconds / n,
+                      draft_seconds=draft / n)
 
 
 def predict_plain(cost: CostModel) -> Prediction:

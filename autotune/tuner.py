@@ -59,14 +59,14 @@ import torch
 
 from autotune.cost_model import CostModel
 from autotune.matchness import LookupMatch, Match, lookup_match, matchness, score_logits, usable_window
-from autotune.objective import Prediction, predict, predict_lookup, predict_plain
+from autotune.objective import Prediction, predict, predict_lookup, predict_lookup_first, predict_plain
 from runtime.decoding import Decoder
 from runtime.drafters import ModelDrafter
 from runtime.kv_cache import KVCache
 from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
 from search_spaces.spaces import SearchSpace, SpaceContext
-from search_spaces.strategy import PLAIN, Strategy
+from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, PLAIN, Strategy
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ class TunerSettings:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
 
+LOOKUP_FIRST_KEY = ("lookup-first", None)  # window cache: the n-gram replay of `lookup_first` drafts
 RACE_SIZE = 4  # racers kept (the best predicted)
 RECENT_ROUNDS = 48  # an incumbent's measured speed: its latest rounds (the context grows as it decodes)
 
@@ -214,7 +215,14 @@ def _score_model(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tok
             if not usable_window(len(tokens), drafter.cache.length, window):
                 return None
         match = tuner.window_cache[key] = matchness(drafter.model, drafter.cache, strategy.layer_plan, tokens, window)
-    return predict(strategy, match, tuner.cost, tuner.ctx.max_draft_length), match.rate
+    horizon = tuner.ctx.max_draft_length
+    if strategy.lookup_first:  # rounds where an n-gram recurs copy it; the model drafts the rest
+        copies = tuner.window_cache.get(LOOKUP_FIRST_KEY)
+        if copies is None:
+            copies = tuner.window_cache[LOOKUP_FIRST_KEY] = lookup_match(tokens, window, horizon, LOOKUP_FIRST_MIN_NGRAM)
+        assert isinstance(match, Match) and isinstance(copies, LookupMatch)
+        return predict_lookup_first(strategy, match, copies, tuner.cost, horizon), match.rate
+    return predict(strategy, match, tuner.cost, horizon), match.rate
 
 
 def _score_lookup(tuner: "OnlineTuner", decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float]:

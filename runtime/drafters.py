@@ -13,7 +13,7 @@ from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
-from search_spaces.strategy import Strategy, tree_node_bound
+from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy, tree_node_bound
 
 
 @dataclass
@@ -102,13 +102,23 @@ class ModelDrafter:
     and the committed tokens (accepted + bonus) are re-run exactly in one forward, whose last
     logits give the next round's first draft token; without it, the accepted rows' fuzzy K/V
     are kept and the remaining tokens run under the plan too.
+
+    With ``lookup_first`` a round first tries prompt lookup over the sequence (an n-gram index it
+    keeps in any case, so a switch needs no rebuild): where ``LOOKUP_FIRST_MIN_NGRAM`` or more
+    tokens recur, the copied continuation is the draft (deterministic, ``q=None``) and the model
+    drafts nothing; the committed tokens then wait as ``pending`` for its next catch-up.
     """
 
     def __init__(
         self, model: CausalLM, target_vocab: int, shape: TreeShape | None = None,
-        plan: LayerPlan | None = None, calibrate: bool = True,
+        plan: LayerPlan | None = None, calibrate: bool = True, lookup_first: bool = False,
     ) -> None:
+        from runtime.lookup import PromptLookupDrafter  # it imports Draft from here
+
         self.model = model
+        self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, max_ngram=LOOKUP_FIRST_MIN_NGRAM)
+        self.lookup_first = lookup_first
+        self.lookup_rounds = 0  # rounds drafted by the lookup (``lookup_first``)
         self.target_vocab = target_vocab
         self.shape = shape
         self.plan = None if plan is None or plan.is_identity else plan
@@ -127,6 +137,7 @@ class ModelDrafter:
         self.shape = tree_shape(strategy)
         self.plan = None if strategy.layer_plan is None or strategy.layer_plan.is_identity else strategy.layer_plan
         self.calibrate = strategy.calibrate and self.plan is not None
+        self.lookup_first = strategy.lookup_first
 
     def sync(self) -> None:
         """Run the committed tokens the draft has not seen, all but the last (whose logits start
@@ -189,12 +200,18 @@ class ModelDrafter:
                 self.cache.length = keep
         del self.exact_rows[keep:]
         self.pending = list(prompt[keep:])
+        self.lookup.begin(prompt, capacity)
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
+        if self.lookup_first:
+            copied = self.lookup.propose(k, params, generator)
+            if copied.tokens.numel():
+                self.lookup_rounds += 1
+                return copied  # the model drafts nothing: ``observe`` queues the round's tokens
         # what a round appends at most: the deepest draft the shape allows, + 1
         self.catch_up_width = max(self.catch_up_width, (len(self.shape.widths) if self.shape else k) + 1)
         logits = self._catch_up()  # [1, Vd]
@@ -328,6 +345,7 @@ class ModelDrafter:
         return self.model(ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan).float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
+        self.lookup.observe(n_accepted, new_tokens)
         if path is None:
             path = list(range(n_accepted))
         rnd = self.round
@@ -358,6 +376,7 @@ class SelfDrafter(ModelDrafter):
     def reconfigure(self, strategy: Strategy) -> None:
         super().reconfigure(strategy)
         self.calibrate = False  # the verify pass already restores exact K/V
+        self.lookup_first = False  # (a draft-model option; it keeps no n-gram index here)
 
     def sync(self) -> None:
         """Nothing to catch up: the target's cache is the draft's."""

@@ -88,7 +88,8 @@ def _model_drafter(
     if pool.compile:
         draft_lm.compile_steps()
     return ModelDrafter(
-        draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s), plan=s.layer_plan, calibrate=s.calibrate
+        draft_lm, target_vocab=lm.dims.vocab, shape=tree_shape(s), plan=s.layer_plan, calibrate=s.calibrate,
+        lookup_first=s.lookup_first,
     )
 
 

@@ -200,15 +200,18 @@ class SearchSpace(ABC):
             grid = [replace(strategy, draft_length=n) for n in lengths]
         else:
             grid = []
+            copying = (False, True) if strategy.drafter == "draft-model" else (False,)
             for head in SWEEP_HEADS:
                 for n in lengths:
                     widths = _fit_widths(head, n)
                     for t in SWEEP_THRESHOLDS:
-                        try:
-                            grid.append(replace(strategy, draft_length=n, confidence_threshold=t, dynamic_widths=None,
-                                                tree_widths=None if all(w == 1 for w in widths) else widths))
-                        except StrategyError:
-                            continue
+                        for lookup_first in copying:
+                            try:
+                                grid.append(replace(strategy, draft_length=n, confidence_threshold=t,
+                                                    dynamic_widths=None, lookup_first=lookup_first,
+                                                    tree_widths=None if all(w == 1 for w in widths) else widths))
+                            except StrategyError:
+                                continue
         out: list[Strategy] = []
         for s in grid:
             if s not in out and self._holds(s, ctx):
@@ -508,7 +511,8 @@ class AutoSpace(SearchSpace):
     - ``draft-model`` (``dm_*``): EasySpec layer-parallel groups (``dm_lp_size``, ``dm_first_size``),
       bonus calibration (``dm_calibrate``, only with groups), the tree widths of the first two
       depths (``dm_w1`` 1..4, ``dm_w2`` 1..2; deeper: a chain), ``dm_draft_length``,
-      ``dm_confidence_threshold``. A tree never has more nodes than ``max_draft_length``: the
+      ``dm_confidence_threshold``, ``dm_lookup`` (prompt lookup first where an n-gram recurs:
+      ``Strategy.lookup_first``). A tree never has more nodes than ``max_draft_length``: the
       length is cut to fit, so every strategy shares one verify width.
     - ``layer-skip`` (``ls_*``): the ``layer-skip`` space's parameters (fixed skip ratio).
     - ``prompt-lookup`` (``lk_*``): ``lk_draft_length``.
@@ -560,7 +564,7 @@ class AutoSpace(SearchSpace):
         return replace(
             ctx.base, drafter="draft-model", draft_length=length, confidence_threshold=_suggest_threshold(trial),
             tree_widths=None if all(w == 1 for w in widths) else widths, dynamic_widths=None,
-            layer_plan=plan, calibrate=calibrate,
+            layer_plan=plan, calibrate=calibrate, lookup_first=trial.suggest_categorical("lookup", [False, True]),
         )
 
     def _params(self, strategy: Strategy, ctx: SpaceContext) -> dict[str, Any]:
@@ -579,6 +583,7 @@ class AutoSpace(SearchSpace):
         head = (tuple(widths) + (1, 1))[:2]
         return {"drafter": kind, **_prefixed({
             **sizes, "calibrate": strategy.calibrate, "w1": head[0], "w2": head[1], **_drafting_params(strategy),
+            "lookup": strategy.lookup_first,
         }, "dm_")}
 
     def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
@@ -595,7 +600,8 @@ class AutoSpace(SearchSpace):
         params = [{"drafter": "prompt-lookup", "lk_draft_length": length}]
         if "draft-model" in kinds:
             assert ctx.draft_layers is not None
-            drafting = {"dm_w1": 1, "dm_w2": 1, "dm_draft_length": length, "dm_confidence_threshold": threshold}
+            drafting = {"dm_w1": 1, "dm_w2": 1, "dm_draft_length": length, "dm_confidence_threshold": threshold,
+                        "dm_lookup": False}
             easy = EasySpecSpace()._sizes(easyspec_plan(ctx.draft_layers, MAX_LP_SIZE).groups,
                                           replace(ctx, n_layers=ctx.draft_layers))
             params = [
@@ -604,6 +610,8 @@ class AutoSpace(SearchSpace):
                 {"drafter": "draft-model", "dm_lp_size": 1, **drafting, "dm_w1": 2,
                  "dm_draft_length": min(TREE_SEED_LENGTH, ctx.max_draft_length)},
                 {"drafter": "draft-model", **_prefixed(easy, "dm_"), "dm_calibrate": True, **drafting},
+                # prompt lookup where the context repeats itself, the draft model elsewhere
+                {"drafter": "draft-model", "dm_lp_size": 1, **drafting, "dm_lookup": True},
             ] + params
         elif "layer-skip" in kinds:
             base = replace(ctx.base, drafter="layer-skip", layer_plan=uniform_skip_plan(ctx.n_layers, ctx.skip_ratio),

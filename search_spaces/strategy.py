@@ -18,6 +18,7 @@ DRAFTER_KINDS = ("none", "draft-model", "layer-skip", "prompt-lookup")
 DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
+LOOKUP_FIRST_MIN_NGRAM = 3  # `lookup_first` copies only after a match of this many tokens (short ones copy noise)
 # the tree `autotune bench --methods sd-tree` uses when none is given (measured on CPU, see docs)
 DEFAULT_TREE_WIDTHS: tuple[int, ...] = (2, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 # SWIFT 4.2 dynamic verification: top-1 probability in (0,0.5] -> 10 candidates, ... (0.95,1] -> 1
@@ -49,6 +50,10 @@ class Strategy:
     - ``dynamic_widths``: SWIFT's dynamic verification table ``((p_max, k), ...)``, ascending
       ``p_max`` ending at 1.0: each draft position also offers its top-k candidates, k chosen by
       the draft's confidence (see ``SWIFT_DYNAMIC_WIDTHS``). Exclusive with ``tree_widths``.
+    - ``lookup_first``: a draft model's rounds first try prompt lookup (an n-gram of at least
+      ``LOOKUP_FIRST_MIN_NGRAM`` tokens of the context recurs): where it matches, its copied
+      continuation is the draft and the model drafts nothing; elsewhere the model drafts. Code
+      that copies its prompt gets lookup's free drafts, the rest the model's.
     - ``draft_vocab``: restrict the draft's output head to token ids ``[0, draft_vocab)`` (BPE ids
       are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way, but
       measured on HumanEval with the Qwen pair, 32768 ids cost more acceptance (alpha 0.70 vs
@@ -64,6 +69,7 @@ class Strategy:
     dynamic_widths: tuple[tuple[float, int], ...] | None = None
     layer_plan: LayerPlan | None = None
     calibrate: bool = True
+    lookup_first: bool = False
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -104,6 +110,10 @@ class Strategy:
     def _check_plan(self) -> None:
         if not isinstance(self.calibrate, bool):
             raise StrategyError(f"calibrate={self.calibrate!r} must be true or false")
+        if not isinstance(self.lookup_first, bool):
+            raise StrategyError(f"lookup_first={self.lookup_first!r} must be true or false")
+        if self.lookup_first and self.drafter != "draft-model":
+            raise StrategyError(f"lookup_first is only used by drafter draft-model, not '{self.drafter}'")
         plan = self.layer_plan
         if plan is not None and not isinstance(plan, LayerPlan):
             raise StrategyError(f"layer_plan={plan!r} must be a layer plan object")

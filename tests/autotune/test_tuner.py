@@ -1,14 +1,16 @@
 """Matchness, the objective and the online tuner on tiny random-weight models (fast tier)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import optuna
 import pytest
 import torch
 
 from autotune.cost_model import FixedCostModel, MeasuredCostModel
-from autotune.matchness import TOP_K, Match, matchness, score_logits
+from autotune.matchness import TOP_K, LookupMatch, Match, matchness, score_logits
 from autotune.matchness import lookup_match
-from autotune.objective import predict, predict_lookup, replay
+from autotune.objective import predict, predict_lookup, predict_lookup_first, replay
 from autotune.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
@@ -524,6 +526,26 @@ def test_lengths_are_compared_on_the_same_start_positions():
     chain = synthetic([True] * 20 + [False] * 4, [1.0] * 24)
     for k in (2, 4, 8):  # the horizon only chooses positions: all-hit positions give k accepted either way
         assert replay(Strategy(draft_length=k, confidence_threshold=0.0), chain, horizon=12)[0] == k
+
+
+def test_lookup_first_prediction_mixes_copied_and_drafted_rounds():
+    """``lookup_first``: a start where the n-gram replay proposes is a lookup round (its accepted
+    copy, one verify, no draft forward); elsewhere the model's replayed round. All copying equals
+    prompt lookup's prediction, none the model's."""
+    cost = FixedCostModel(draft_full_s=0.1, verify_const_s=1.0)
+    match = synthetic([True] * 24, [1.0] * 24)
+    s = Strategy(draft_length=4, confidence_threshold=0.0, lookup_first=True)
+    everywhere = LookupMatch((4,) * 24, (2,) * 24)
+    nowhere = LookupMatch((0,) * 24, (0,) * 24)
+    lookup = Strategy(drafter="prompt-lookup", draft_length=4)
+    assert predict_lookup_first(s, match, everywhere, cost, 12) == predict_lookup(lookup, everywhere, cost, 12)
+    plain_model = predict(replace(s, lookup_first=False), match, cost, 12)
+    got = predict_lookup_first(s, match, nowhere, cost, 12)
+    assert got.tokens_per_round == plain_model.tokens_per_round == 5.0
+    assert got.seconds_per_round == pytest.approx(plain_model.seconds_per_round)
+    half = LookupMatch((4, 0) * 12, (1, 0) * 12)  # copies accept 1 where the model accepts 4
+    mixed = predict_lookup_first(s, match, half, cost, 12)
+    assert 2.0 < mixed.tokens_per_round < 5.0 and mixed.draft_seconds < plain_model.draft_seconds
 
 
 def test_settings_are_validated():

@@ -20,7 +20,7 @@ import runtime.decoding
 import runtime.sampling
 import runtime.tree_verify
 from runtime.decoding import Decoder
-from runtime.drafters import Draft, SelfDrafter, TreeShape
+from runtime.drafters import Draft, ModelDrafter, SelfDrafter, TreeShape
 from runtime.linear import mkl_packing_available
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, sample
@@ -128,6 +128,20 @@ def _prompt_lookup(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case
     return Case(decoder, target, prompt=list(LOOKUP_PROMPT))
 
 
+def _lookup_first(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
+    """A draft model with ``lookup_first``: the first round copies (one-hot q) where the prompt's
+    trigram recurs - after a sampled 3 - and the model drafts (its q) otherwise: both kinds of
+    round must have run."""
+    target = CausalLM(m["target"])
+    drafter = ModelDrafter(CausalLM(m["draft"]), target.dims.vocab, CHAIN, lookup_first=True)
+    decoder = Decoder(target, drafter, len(CHAIN.widths), verify_width=CHAIN.max_nodes() + 1)
+
+    def both_kinds_of_round(exact: Exact, got: Sample) -> None:
+        assert 0 < drafter.lookup_rounds < got.stats.draft_rounds, (drafter.lookup_rounds, got.stats.draft_rounds)
+
+    return Case(decoder, target, prompt=list(LOOKUP_PROMPT), extra=both_kinds_of_round)
+
+
 def _packed_verify(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
     if not mkl_packing_available():
         pytest.skip("runtime.linear.mkl_packing_available() is False: this torch build has no MKL packed GEMM")
@@ -173,6 +187,7 @@ MODES: dict[str, Builder] = {
     "int8-draft": _int8_draft,
     "restricted-draft-head": _restricted_head,
     "prompt-lookup": _prompt_lookup,
+    "lookup-first-draft-model": _lookup_first,
     "packed-verify": _packed_verify,
     "chain-through-tree-verifier": _chain_through_tree_verifier,
 }

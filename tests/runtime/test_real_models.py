@@ -116,3 +116,17 @@ def test_smollm_layer_plans_equal_hf(pool, smollm):
             got = build_decoder(pool, smollm, strategy, draft).generate(ids, cfg)
             assert got.tokens == want, strategy
             assert got.stats.drafted > 0
+
+
+def test_lookup_first_draft_model_is_lossless_on_real_model(pool, smollm):
+    """A draft model with ``lookup_first`` on code (its completion repeats the prompt's names):
+    rounds copy where a trigram recurs, the int8 draft drafts the rest; greedy output is HF's."""
+    ids = prompt_ids(smollm, "humaneval", 1)[0]
+    cfg = GenerationConfig(max_new_tokens=48, eos_token_ids=eos_ids(smollm))
+    decoder = build_decoder(pool, smollm, Strategy(draft_length=6, draft_precision="int8", lookup_first=True),
+                            "smollm2-135m")
+    got = decoder.generate(ids, cfg)
+    assert got.tokens == hf_greedy(smollm, ids, 48)
+    copied = decoder.drafter.lookup_rounds
+    assert 0 < copied < got.stats.draft_rounds, (copied, got.stats.draft_rounds)  # both kinds of round ran
+    assert sum(got.stats.accept_hist[2:]) > 0  # runs of >= 2 drafts accepted
