@@ -25,7 +25,7 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    prediction on that window) and than the incumbent's own latest rounds; otherwise decoding
    goes back to the incumbent. A decision needs a prediction that survived fresh data and a
    measurement, so one lucky window never switches. A kept strategy stays on probation: once
-   it decoded ``probation_tokens`` and measured slower, over everything it decoded, than the
+   it decoded ``probation_tokens`` and measured ``switch_margin`` slower, over everything it decoded, than the
    incumbent it replaced, decoding reverts to that one (measured data only, no cost).
 3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
@@ -85,8 +85,8 @@ class TunerSettings:
     trials_per_window: int = 8  # trials on a window before a fresh one is scored (unless racers wait)
     race_windows: int = 1  # further windows a racer must win before its measured trial
     confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
-    # a kept strategy that decoded this many tokens and measured slower than the one it replaced
-    # (over everything each decoded) is reverted: a measured trial is one stretch of text
+    # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
+    # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 24  # ... and at least this many trials ran
@@ -599,13 +599,15 @@ class OnlineTuner:
             decoder.apply(inc.strategy)
 
     def _probation(self, decoder: Decoder) -> None:
-        """Revert a kept strategy that, over ``probation_tokens`` or more, measured slower than
-        the incumbent it replaced (measured data only: costs nothing)."""
+        """Revert a kept strategy that, over ``probation_tokens`` or more, measured more than
+        ``switch_margin`` slower than the incumbent it replaced (measured data only: costs
+        nothing). The two speeds come from different stretches of text, so a smaller gap is
+        noise, not a verdict: the kept strategy won its measured trial on the same tokens."""
         inc = self.incumbent
         prev = inc.replaced
         if prev is None or self.challenger is not None or inc.tokens < self.settings.probation_tokens:
             return
-        if (inc.measured_tps or 0.0) >= (prev.measured_tps or 0.0):
+        if (inc.measured_tps or 0.0) >= (prev.measured_tps or 0.0) * (1.0 - self.settings.switch_margin):
             return
         inc.bar_tps = prev.measured_tps
         self.reverted.append(inc)

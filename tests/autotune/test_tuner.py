@@ -11,7 +11,7 @@ from autotune.cost_model import FixedCostModel, MeasuredCostModel
 from autotune.matchness import TOP_K, LookupMatch, Match, matchness, score_logits
 from autotune.matchness import lookup_match
 from autotune.objective import predict, predict_lookup, predict_lookup_first, replay
-from autotune.tuner import OnlineTuner, TunerSettings
+from autotune.tuner import Kept, OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
@@ -270,6 +270,19 @@ def test_a_kept_strategy_that_turns_slower_than_what_it_replaced_is_reverted(tar
     gone = tuner.reverted[0]
     assert gone.replaced is not None and gone.measured_tps < gone.replaced.measured_tps
     assert tuner.summary()["reverted"][0]["measured_tps"] == pytest.approx(gone.measured_tps)
+
+
+def test_probation_reverts_beyond_the_margin_only(target):
+    """Kept and replaced strategies measured on different stretches of text: a gap within
+    ``switch_margin`` is noise and keeps the strategy; a larger one reverts to the replaced."""
+    for kept_tps, reverted in ((97.0, False), (90.0, True)):
+        _, tuner, _ = self_spec_run(target, seed=8, n_new=8, switch_margin=0.05, probation_tokens=12)
+        before = Kept(PLAIN, trial=-1, predicted_tps=100.0, matchness=0.0, tokens=100, seconds=1.0)
+        kept = Kept(Strategy(drafter="prompt-lookup", draft_length=4), trial=3, predicted_tps=110.0, matchness=0.5,
+                    tokens=int(kept_tps), seconds=1.0, replaced=before)
+        tuner.incumbent, tuner.challenger = kept, None
+        tuner._probation(Decoder(target))
+        assert (tuner.incumbent is before) == reverted and bool(tuner.reverted) == reverted
 
 
 def test_a_candidate_must_keep_winning_on_fresh_windows(target):
