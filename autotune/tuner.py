@@ -17,16 +17,18 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    and the racers are re-scored on the fresh window; a racer that no longer wins drops out. Then
    the free families are **swept** (``_sweep``): the draft model's all-layer plan (scored by its
    catch-up forward), prompt lookup and the incumbent's plan are scored at every point of their
-   grids (``SearchSpace.sweep``: lengths x thresholds x tree heads) - arithmetic on the window's
-   cached matches - and the best few predicted ``switch_margin`` faster join the race. One
+   grids (``SearchSpace.sweep``: lengths x thresholds x tree heads x ``lookup_first``) -
+   arithmetic on the window's cached matches - and the best few predicted ``switch_margin``
+   faster join the race. One
    that won on ``race_windows`` further windows decodes for ``confirm_tokens`` tokens (a measured
    trial) and replaces the incumbent only if it measured faster than the incumbent would have on
    the same tokens (plain decoding's measured speed; a speculating incumbent's corrected
    prediction on that window) and than the incumbent's own latest rounds; otherwise decoding
    goes back to the incumbent. A decision needs a prediction that survived fresh data and a
    measurement, so one lucky window never switches. A kept strategy stays on probation: once
-   it decoded ``probation_tokens`` and measured ``switch_margin`` slower, over everything it decoded, than the
-   incumbent it replaced, decoding reverts to that one (measured data only, no cost).
+   it decoded ``probation_tokens`` and measured more than ``switch_margin`` slower, over
+   everything it decoded, than the incumbent it replaced, decoding reverts to that one
+   (measured data only, no cost).
 3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
    correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
    measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
