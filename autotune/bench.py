@@ -151,7 +151,8 @@ def _easyspec_strategy(ctx: BenchContext) -> Strategy:
     lp = int(ctx.options.get("lp", ctx.lp_size))
     n_layers = ctx.pool.get(ctx.draft_name, draft_load_dtype(ctx.strategy, ctx.pool.device, ctx.pool.compile)).hf_model.config.num_hidden_layers
     calibrate = ctx.options.get("cal", "on" if ctx.strategy.calibrate else "off") == "on"
-    return replace(ctx.strategy, layer_plan=easyspec_plan(n_layers, lp), calibrate=calibrate)
+    return replace(ctx.strategy, layer_plan=easyspec_plan(n_layers, lp), calibrate=calibrate,
+                   lookup_first=ctx.options.get("lookup") == "on")
 
 
 def _selfspec_strategy(ctx: BenchContext) -> Strategy:
@@ -220,6 +221,9 @@ METHOD_OPTIONS: dict[str, Callable[[str], tuple[str, str]]] = {
 }
 
 
+LOOKUP_FIRST_METHODS = ("sd", "sd-tree", "easyspec")  # methods that honour option `lookup`
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -264,6 +268,11 @@ def parse_method(text: str) -> MethodSpec:
                 "store, which must exist), kN (draft length), tW-W-... (tree widths), lookup (prompt lookup first, the "
                 "draft model elsewhere), e.g. easyspec:lp2:nocal, tuned:db=auto.db, sd:k4, sd-tree:t2-1-1-1, sd:lookup"
             ) from None
+    if ("lookup", "on") in parsed and name not in LOOKUP_FIRST_METHODS:
+        raise CliError(
+            f"option lookup in bench method {text!r}: only the draft-model methods ({', '.join(LOOKUP_FIRST_METHODS)}) "
+            "draft with prompt lookup first, e.g. sd:lookup"
+        )
     return MethodSpec(text, name, tuple(parsed))
 
 

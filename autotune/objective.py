@@ -76,14 +76,20 @@ def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tupl
     return tuple(sum(r[j] for r in rounds) / n for j in range(3))  # type: ignore[return-value]
 
 
-def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
-    accepted, _, extra_forwards = replay(strategy, match, horizon)
+def _draft_s(strategy: Strategy, accepted: float, extra_forwards: float, cost: CostModel) -> float:
+    """Draft time of a model round that accepts ``accepted`` drafts after ``extra_forwards``
+    forwards beyond the first: the first is a plain step, or with bonus calibration an exact
+    forward over the accepted tokens + bonus (one forward over that many rows)."""
     step = cost.draft_forward_s(strategy.layer_plan)
     plan = strategy.layer_plan
     calibrates = strategy.drafter == "draft-model" and strategy.calibrate and plan is not None and not plan.is_identity
-    # calibration re-runs the accepted tokens + bonus exactly: one forward over that many rows
     first = cost.catch_up_s(accepted + 1.0) if calibrates else step
-    draft_s = first + extra_forwards * step
+    return first + extra_forwards * step
+
+
+def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
+    accepted, _, extra_forwards = replay(strategy, match, horizon)
+    draft_s = _draft_s(strategy, accepted, extra_forwards, cost)
     return Prediction(
         tokens_per_round=accepted + 1.0,
         draft_forwards=1.0 + extra_forwards,
@@ -103,18 +109,15 @@ def predict_lookup_first(strategy: Strategy, match: Match, copies: LookupMatch, 
     aligned = Match(match.hits[skip_m:], match.confidence[skip_m:])
     k = strategy.draft_length
     starts = _starts(w, k, horizon)
-    model_rounds = _rounds(strategy, aligned, starts)
-    step = cost.draft_forward_s(strategy.layer_plan)
-    tokens = seconds = draft = 0.0
-    for (accepted, _, forwards), i in zip(model_rounds, starts):
+    tokens = draft = 0.0
+    for (accepted, _, forwards), i in zip(_rounds(strategy, aligned, starts), starts):
         if copies.proposed[skip_c + i] > 0:
             tokens += min(copies.accepted[skip_c + i], k) + 1.0
-            seconds += cost.verify_s()
         else:
             tokens += accepted + 1.0
-            draft += (1.0 + forwards) * step
-            seconds += (1.0 + forwards) * step + cost.verify_s()
+            draft += _draft_s(strategy, accepted, forwards, cost)
     n = max(len(starts), 1)
+    seconds = draft + n * cost.verify_s()  # every round verifies once
     return Prediction(tokens_per_round=tokens / n, draft_forwards=0.0, seconds_per_round=seconds / n,
                       draft_seconds=draft / n)
 

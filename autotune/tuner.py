@@ -548,10 +548,9 @@ class OnlineTuner:
 
     def _tell_swept(self, strategy: Strategy, score: float, raw: float, rate: float) -> int:
         """Record a swept point as a finished trial of the working study (-> its number)."""
-        params = self.space.encode(strategy, self.ctx)
-        fixed, _ = self.space._replay(params, self.ctx)
+        params, distributions = self.space.encode_trial(strategy, self.ctx)
         self.study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=dict(fixed.distributions), value=score,
+            params=params, distributions=distributions, value=score,
             user_attrs={"sampler": "sweep", "drafter": strategy.drafter, "matchness": rate, "raw_tps": raw},
         ))
         self.state.trials += 1

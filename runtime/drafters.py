@@ -376,7 +376,6 @@ class SelfDrafter(ModelDrafter):
     def reconfigure(self, strategy: Strategy) -> None:
         super().reconfigure(strategy)
         self.calibrate = False  # the verify pass already restores exact K/V
-        self.lookup_first = False  # (a draft-model option; it keeps no n-gram index here)
 
     def sync(self) -> None:
         """Nothing to catch up: the target's cache is the draft's."""

@@ -126,6 +126,11 @@ class SearchSpace(ABC):
         """The parameters ``define`` needs to reproduce ``strategy`` exactly; ``SpaceError`` when
         ``strategy`` is not a point of this space (in this context). A draft model's identity
         layer plan counts as no plan."""
+        return self.encode_trial(strategy, ctx)[0]
+
+    def encode_trial(self, strategy: Strategy, ctx: SpaceContext) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``encode``, with the distributions of those parameters: what a finished trial of
+        ``strategy`` needs (``optuna.trial.create_trial``)."""
         if strategy.drafter not in self.kinds(ctx):
             raise SpaceError(
                 f"space '{self.name}' holds {' / '.join(self.kinds(ctx))} strategies, not drafter '{strategy.drafter}'"
@@ -142,7 +147,7 @@ class SearchSpace(ABC):
                 f"strategy is not a point of space '{self.name}': {', '.join(differ + outside)} outside what "
                 "its parameters can give (fields it does not tune must equal the context's base)"
             )
-        return {name: params[name] for name in trial.params}
+        return {name: params[name] for name in trial.params}, dict(trial.distributions)
 
     def uniform(self, ctx: SpaceContext) -> Strategy:
         """The untuned reference strategy of this space."""
@@ -190,7 +195,8 @@ class SearchSpace(ABC):
     def sweep(self, strategy: Strategy, ctx: SpaceContext) -> list[Strategy]:
         """``strategy``'s family on a grid: the points of the space with its drafter and layer plan
         at every ``SWEEP_LENGTHS`` length up to ``max_draft_length`` (and that), every ``SWEEP_THRESHOLDS``
-        threshold and every ``SWEEP_HEADS`` tree head (the last two where the drafter has them).
+        threshold and every ``SWEEP_HEADS`` tree head (the last two where the drafter has them),
+        a draft model's with ``lookup_first`` off and on.
         Once the plan's matches on a window are cached, scoring the whole family there is
         arithmetic, no forward: the tuner scores it on every fresh window."""
         if not strategy.speculates:

@@ -30,6 +30,17 @@ def test_bad_options_are_one_clear_error(spec):
         parse_method(spec)
 
 
+def test_lookup_option_is_for_draft_model_methods_only():
+    assert _sd_strategy(ctx_for("sd:lookup")).lookup_first
+    assert _tree_strategy(ctx_for("sd-tree:t2-1-1-1:lookup")).lookup_first
+    assert not _sd_strategy(ctx_for("sd")).lookup_first
+    for spec in ("lookup:lookup", "selfspec:lookup", "tuned:lookup", "vanilla:lookup"):
+        with pytest.raises(CliError, match="only the draft-model methods"):
+            parse_method(spec)
+    with pytest.raises(CliError, match="bad option"):
+        parse_method("sd:lookup2")
+
+
 def test_db_option_reads_an_existing_store(tmp_path):
     db = tmp_path / "a.db"
     db.write_bytes(b"")
