@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
     study.add_argument("--plot", type=Path, metavar="DIR", help="write the study's plots and an index.html into DIR")
+    study.add_argument("--baseline", action="store_true",
+                       help="also decode every prompt plainly, just before tuning on it: tok/s while tuning against "
+                            "plain decoding on the same prompts, and every output checked identical (doubles the time)")
     serve = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
     _add_model_args(serve)
     serve.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
@@ -491,7 +494,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         prompts, cfg = _fitting_prompts(args, pool, target, items)
         report = run_study(
             pool, target, args.draft, args.task, [ids for _, ids in prompts], cfg, storage, space.name, settings,
-            skip_ratio=args.skip_ratio, prompt_texts=[routing_text(item) for item in items],
+            skip_ratio=args.skip_ratio, prompt_texts=[routing_text(item) for item in items], baseline=args.baseline,
         )
     print(format_study(report))
     if report.refused:  # one line on stderr: the lossless check failed and nothing lossy was kept
@@ -530,6 +533,7 @@ def format_study(report: Any) -> str:
         ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
                          f"({t['trials']} trials, {t.get('measured_trials', 0)} measured; "
                          f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
+        ("while tuning", _while_tuning_text(report)),
         ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
     ]
     for k, v in rows:
@@ -538,6 +542,17 @@ def format_study(report: Any) -> str:
     with console.capture() as cap:
         console.print(table)
     return cap.get()
+
+
+def _while_tuning_text(report: Any) -> str:
+    """Tokens/s over the study's prompts (prefill and tuning included), against plain decoding on
+    the same prompts when ``--baseline`` measured it."""
+    text = f"{report.tune_stats.tokens_per_s:.2f} tok/s"
+    b = report.baseline
+    if b is None:
+        return text + " (--baseline measures plain decoding on the same prompts)"
+    return (f"{text} vs plain {b.plain.tokens_per_s:.2f} on the same prompts, interleaved ({b.ratio:.2f}x); "
+            f"outputs {'identical' if b.identical else 'DIFFERENT'} on every prompt")
 
 
 def _ratio_text(stored: dict[str, Any]) -> str:

@@ -117,6 +117,9 @@ class StudyReport:
     tuning_share: float
     storage_url: str
     stored_reason: str = ""  # why ``chosen`` was stored (see :func:`choose_stored`)
+    # ``baseline=True``: plain decoding of every study prompt, interleaved with the tuning decoder
+    # (:class:`Baseline`); None otherwise
+    baseline: "Baseline | None" = None
     history_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,16 +140,39 @@ class StudyReport:
             "best_tps": self.best_tps, "speedup": self.speedup, "identical": self.identical,
             "tuning_share": self.tuning_share, "storage": self.storage_url, "stored_reason": self.stored_reason,
             "refused": self.refused,
+            "baseline": self.baseline.as_dict() if self.baseline else None,
         }
+
+
+@dataclass
+class Baseline:
+    """Plain decoding on the study's own prompts, each decoded just before the tuning decoder
+    decoded it (the same minutes: this machine's speed drifts by more than the effects measured),
+    prefill included on both sides."""
+
+    plain: DecodeStats
+    tuning: DecodeStats
+    identical: bool  # every output of the tuning decoder equalled plain decoding's
+
+    @property
+    def ratio(self) -> float:
+        return self.tuning.tokens_per_s / self.plain.tokens_per_s if self.plain.tokens_per_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"plain_tps": self.plain.tokens_per_s, "tuning_tps": self.tuning.tokens_per_s, "ratio": self.ratio,
+                "identical": self.identical, "tokens": self.tuning.new_tokens}
 
 
 def run_study(
     pool: ModelPool, target: LoadedModel, draft_name: str | None, task: str, prompts: list[list[int]],
     cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = 0.45,
-    progress: bool = True, prompt_texts: Sequence[str] = (),
+    progress: bool = True, prompt_texts: Sequence[str] = (), baseline: bool = False,
 ) -> StudyReport:
     """Tune on ``prompts`` (token ids) and record the result; ``prompt_texts`` are their routing
-    texts (``studies.routing_text``), stored with the result for the server's task router."""
+    texts (``studies.routing_text``), stored with the result for the server's task router.
+    ``baseline``: decode every prompt plainly too, just before tuning on it (``Baseline``: tokens/s
+    while tuning against plain decoding's on the same prompts, and token identity of every
+    output, which joins the lossless check of what is stored); its time is not tuning time."""
     space = get_space(space_name)
     draft = pool.get(draft_name, "float32") if draft_name else None
     ctx = space_context(space, target, draft, skip_ratio)
@@ -169,18 +195,27 @@ def run_study(
                              verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False)
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
     stats = DecodeStats()
-    start = time.perf_counter()
+    plain_decoder = build_decoder(pool, target, PLAIN) if baseline else None
+    base = Baseline(DecodeStats(), DecodeStats(), True) if baseline else None
+    tune_wall = 0.0
     with tqdm(total=len(prompts), desc=f"study {space.name}", unit="prompt", disable=not progress) as bar:
         for ids in prompts:
+            plain_run = plain_decoder.generate(ids, cfg) if plain_decoder is not None else None
+            start = time.perf_counter()
             tuner.start_prompt(len(ids))
             result = decoder.generate(ids, cfg, before_round=tuner.before_round)
             tuner.end_prompt(ids + result.tokens, result.stats)
+            tune_wall += time.perf_counter() - start
             stats = stats.merge(result.stats)
+            if base is not None and plain_run is not None:
+                base.plain, base.tuning = base.plain.merge(plain_run.stats), base.tuning.merge(result.stats)
+                base.identical &= plain_run.tokens == result.tokens
             bar.update(1)
             bar.set_postfix_str(f"trials {tuner.state.trials} incumbent {tuner.state.best_score:.2f} tok/s")
-    tune_wall = time.perf_counter() - start
     tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # cost-model timing included
     check = _check(pool, target, uses_draft, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
+    if base is not None:  # an output that differed while tuning: nothing speculative is stored
+        check.identical &= base.identical
     summary = tuner.summary()
     chosen, reason = choose_stored(tuner.best, check)
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
@@ -197,7 +232,7 @@ def run_study(
         name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
         tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
         identical=check.identical, tuning_share=tuning_share, storage_url=storage.display_url,
-        stored_reason=reason,
+        stored_reason=reason, baseline=base,
     )
     report.history_id = storage.record(key, chosen, ResultMetrics(
         score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,

@@ -671,6 +671,20 @@ class ChainSpace(SearchSpace):
     def _reference_params(self, ctx: SpaceContext) -> dict[str, Any]:
         return {"drafter": "none"}
 
+    def seeds(self, ctx: SpaceContext) -> list[Strategy]:
+        """Plain decoding (the reference), then one point per drafter kind at the grid length
+        nearest the base's (threshold: the grid's nearest to the base's), so the online tuner
+        sweeps both free families (the draft model's chain and prompt lookup) from its first
+        window, as it does in ``auto``."""
+        lengths = _chain_lengths(ctx)
+        length = min(lengths, key=lambda n: (abs(n - ctx.base.draft_length), -n))
+        params: list[dict[str, Any]] = [{"drafter": "none"}]
+        if "draft-model" in self.kinds(ctx):
+            threshold = min(CHAIN_THRESHOLDS, key=lambda t: abs(t - ctx.base.confidence_threshold))
+            params.append({"drafter": "draft-model", "dm_draft_length": length, "dm_confidence_threshold": threshold})
+        params.append({"drafter": "prompt-lookup", "lk_draft_length": length})
+        return [self._replay(p, ctx)[1] for p in params]
+
     def points(self, ctx: SpaceContext) -> list[Strategy]:
         """Every strategy of the space."""
         lengths = _chain_lengths(ctx)

@@ -86,6 +86,9 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens, "points": len(points), "pick": label(pick),
         "pick_strategy": pick.to_dict(), "best": best, "regret": regret,
         "tokens_per_s": dict(sorted(tps.items(), key=lambda kv: -kv[1])),
+        # verify rounds per point (after the prefill): with identical outputs, fewer rounds is the text's
+        # part of a speed difference, the rest is round cost (and this machine's noise)
+        "rounds": {name: s.target_forwards - len(unseen) for name, s in stats.items()},
         "identical": all(outputs[name] == outputs["plain"] for name in outputs),
         "study": {"tuning_share": report.tuning_share,
                   **{k: report.tuner.get(k) for k in ("trials", "swept", "windows", "measured_trials", "stop_reason",
@@ -93,7 +96,7 @@ def main() -> int:
     }
     for name, value in result["tokens_per_s"].items():
         mark = " <- pick" if name == result["pick"] else (" <- best" if name == best else "")
-        print(f"{name:>22}  {value:6.2f} tok/s{mark}")
+        print(f"{name:>22}  {value:6.2f} tok/s  {result['rounds'][name]:4d} rounds{mark}")
     print(f"pick {result['pick']}, best {best}: regret {100 * regret:.1f}% over {len(points)} points; "
           f"outputs identical: {result['identical']}")
     if args.json_out:

@@ -62,10 +62,14 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
     store = f"sqlite:///{tmp_path / 'study.db'}"
     report_path = tmp_path / "study.json"
     code, out, err = study(capsys, "--max-new-tokens", "64", "--storage", store, "--window", "16",
-                           "--max-share", "0.5", "--json", str(report_path))
+                           "--max-share", "0.5", "--json", str(report_path), "--baseline")
     assert code == 0, err
     report = json.loads(report_path.read_text())
     assert report["identical"] is True
+    # --baseline: plain decoding of the same prompt beside the tuning decoder, outputs compared
+    base = report["baseline"]
+    assert base["identical"] is True and base["plain_tps"] > 0 and base["tuning_tps"] > 0 and base["tokens"] > 0
+    assert "vs plain" in out and "on the same prompts" in out
     assert report["tuner"]["trials"] >= 1 and 0 < report["tuning_share"] < 1
     assert "speedup vs plain" in out and "tuning share" in out
     with open_storage(store) as storage:
@@ -187,10 +191,11 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
     report_path = tmp_path / "study.json"
     code, out, err = run(capsys, "study", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--space", "draft",
                          "--task", "humaneval", "--limit", "2", "--max-new-tokens", "96", "--window", "16",
-                         "--max-share", "1", "--storage", store, "--json", str(report_path))
+                         "--max-share", "1", "--storage", store, "--json", str(report_path), "--baseline")
     report = json.loads(report_path.read_text())
     assert Strategy.from_dict(report["best"]).speculates  # there was a candidate to refuse
     assert report["identical"] is False and report["refused"] is True
+    assert report["baseline"]["identical"] is False  # --baseline caught the lossy rounds while tuning too
     assert code == 1
     (line,) = [ln for ln in err.splitlines() if ln.startswith("autotune:")]  # (stderr also has progress bars)
     assert "refused to store" in line and "differed from plain decoding" in line

@@ -258,6 +258,11 @@ def test_chain_space_points_are_a_small_enumerable_grid():
         assert fixed(space, space.encode(s, ctx), ctx) == s
     no_draft = space.points(SpaceContext(n_layers=28, max_draft_length=6))
     assert [s.drafter for s in no_draft] == ["none"] + ["prompt-lookup"] * 3
+    # seeds: plain, then one point per drafter kind, so the tuner sweeps both free families
+    seeds = space.seeds(ctx)
+    assert seeds[0] == PLAIN and [s.drafter for s in seeds[1:]] == ["draft-model", "prompt-lookup"]
+    assert all(s in points and s.layer_plan is None for s in seeds)
+    assert [s.drafter for s in space.seeds(SpaceContext(n_layers=28, max_draft_length=6))] == ["none", "prompt-lookup"]
 
 
 def test_neighbours_are_points_of_the_space_with_the_same_plan():
