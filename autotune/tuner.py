@@ -296,6 +296,7 @@ class OnlineTuner:
         # cost model's one-time timing excluded); a lower share later does not claw back earlier time
         self._allowance = 0.0
         self._accrued_at: float | None = None
+        self._paused_at: float | None = None  # end of the last prompt: time between prompts does not accrue
         # tried first: a resumed study's best, then the space's seeds (one good point per drafter kind)
         seeds = [initial] + [s for s in space.seeds(ctx) if s != initial]
         self._queued: set[Strategy] = set()  # strategies enqueued so far (seeds, neighbours)
@@ -323,6 +324,11 @@ class OnlineTuner:
         self._window_at = prompt_len
         self._last = None
         self._stale = True  # the drafters' caches now hold another sequence
+        if self._paused_at is not None and self._accrued_at is not None:
+            # the allowance is a share of decode time: time between prompts (an idle server, a
+            # study's plain baseline decoding the same prompt) accrues nothing
+            self._accrued_at += max(0.0, self.clock() - self._paused_at)
+        self._paused_at = None
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the prompt's last round to the running strategy; persist the new trials."""
@@ -333,6 +339,7 @@ class OnlineTuner:
         spent = self.clock() - t0
         self.state.tuning_s += spent
         self._allowance -= spent
+        self._paused_at = self.clock()
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)

@@ -570,3 +570,24 @@ def test_settings_are_validated():
         TunerSettings(max_share=0.0)
     with pytest.raises(SpaceError, match="match_threshold"):
         TunerSettings(match_threshold=1.5)
+
+
+def test_time_between_prompts_accrues_no_tuning_allowance():
+    """The allowance is ``max_share`` of decode time: the time between one prompt's end and the
+    next one's start (an idle server, or `study --baseline` decoding the prompt plainly) adds
+    nothing. Power check: without the pause the 100 s gap would add 10 s of allowance."""
+    now = [0.0]
+    tuner = OnlineTuner(get_space("lookup"), SpaceContext(n_layers=2, max_draft_length=4),
+                        optuna.create_study(direction="maximize"), FixedCostModel(draft_full_s=0.0, verify_const_s=1.0),
+                        TunerSettings(max_share=0.1), clock=lambda: now[0])
+    tuner.start_prompt(3)
+    tuner._accrue(0.0)
+    now[0] = 10.0
+    tuner._accrue(now[0])  # 10 s of decoding
+    assert tuner._allowance == pytest.approx(1.0)
+    tuner.end_prompt([1, 2, 3], DecodeStats())
+    now[0] = 110.0  # 100 s outside decoding
+    tuner.start_prompt(3)
+    now[0] = 120.0
+    tuner._accrue(now[0])  # 10 s more of decoding
+    assert tuner._allowance == pytest.approx(2.0)
