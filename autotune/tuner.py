@@ -34,7 +34,7 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
    every kept strategy.
 4. **Spends little**: tuning time is an allowance accruing at ``max_share`` of the time that
-   passes, divided by 1 + the number of windows in a row the incumbent has led (re-scoring less
+   passes while prompts decode (not between them), divided by 1 + the windows in a row the incumbent has led (re-scoring less
    once stable), and trials spend it (the cost model's one-time timing is reported in the share
    but not held against trials); after
    ``stop_windows`` such windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials
