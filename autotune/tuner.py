@@ -336,10 +336,10 @@ class OnlineTuner:
         self._last = None
         t0 = self.clock()
         self.flush()
-        spent = self.clock() - t0
+        self._paused_at = now = self.clock()
+        spent = now - t0
         self.state.tuning_s += spent
         self._allowance -= spent
-        self._paused_at = self.clock()
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)

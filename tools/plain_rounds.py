@@ -1,0 +1,64 @@
+"""Plain decoding's speed on the tuning decoder (packed target, every drafter kind of the space on
+standby, no tuner) against a plain decoder, on the same prompts, interleaved, two passes: whether
+keeping the drafters on standby costs plain rounds anything, and how far this machine's speed
+drifts between passes.
+
+    python tools/plain_rounds.py --task mt-bench --limit 4 --max-new-tokens 96
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autotune.study import space_context, standby_strategies, verify_width  # noqa: E402
+from runtime.decoding import GenerationConfig  # noqa: E402
+from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
+from search_spaces.spaces import get_space  # noqa: E402
+from search_spaces.strategy import PLAIN  # noqa: E402
+from studies import load_prompts  # noqa: E402
+from studies.encode import encode_prompt  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--task", default="mt-bench")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--passes", type=int, default=2)
+    args = ap.parse_args()
+
+    pool = ModelPool()
+    target = pool.get(args.model, "float32")
+    prompts = [encode_prompt(item, target.tokenizer) for item in load_prompts(args.task, limit=args.limit)]
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
+    space = get_space("auto")
+    ctx = space_context(space, target, pool.get(args.draft, "float32"), 0.45)
+    decoders = {
+        "plain decoder": build_decoder(pool, target, PLAIN),
+        "tuning decoder": build_decoder(pool, target, PLAIN, args.draft, verify_width=verify_width(space, ctx),
+                                        standby=standby_strategies(space, ctx)),
+    }
+    warm = GenerationConfig(max_new_tokens=8, eos_token_ids=cfg.eos_token_ids)
+    for dec in decoders.values():
+        dec.generate(prompts[0], warm)
+    totals = {name: [0, 0.0] for name in decoders}
+    for p in range(args.passes):
+        for ids in prompts:
+            for name, dec in decoders.items():
+                s = dec.generate(ids, cfg).stats
+                rounds_s = s.wall_s - s.prefill_s
+                totals[name][0] += s.new_tokens - 1
+                totals[name][1] += rounds_s
+                print(f"pass {p + 1} {name:>14}: {(s.new_tokens - 1) / rounds_s:.2f} tok/s (decode rounds)")
+    for name, (n, secs) in totals.items():
+        print(f"{name:>14}: {n / secs:.2f} tok/s over {n} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
