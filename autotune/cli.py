@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
     study.add_argument("--plot", type=Path, metavar="DIR", help="write the study's plots and an index.html into DIR")
     study.add_argument("--baseline", action="store_true",
-                       help="also decode every prompt plainly, just before tuning on it: tok/s while tuning against "
-                            "plain decoding on the same prompts, and every output checked identical (doubles the time)")
+                       help="also decode every prompt plainly, next to tuning on it (before, then after, "
+                            "alternately): tok/s while tuning against plain decoding on the same prompts, and every "
+                            "output checked identical (doubles the time)")
     serve = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
     _add_model_args(serve)
     serve.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")

@@ -146,9 +146,10 @@ class StudyReport:
 
 @dataclass
 class Baseline:
-    """Plain decoding on the study's own prompts, each decoded just before the tuning decoder
-    decoded it (the same minutes: this machine's speed drifts by more than the effects measured),
-    prefill included on both sides."""
+    """Plain decoding on the study's own prompts, each decoded next to the tuning decoder (before
+    it on even prompts, after it on odd ones, so going first or second cancels), in the same
+    minutes (this machine's speed drifts by more than the effects measured), prefill included on
+    both sides."""
 
     plain: DecodeStats
     tuning: DecodeStats
@@ -170,7 +171,7 @@ def run_study(
 ) -> StudyReport:
     """Tune on ``prompts`` (token ids) and record the result; ``prompt_texts`` are their routing
     texts (``studies.routing_text``), stored with the result for the server's task router.
-    ``baseline``: decode every prompt plainly too, just before tuning on it (``Baseline``: tokens/s
+    ``baseline``: decode every prompt plainly too, next to tuning on it (``Baseline``: tokens/s
     while tuning against plain decoding's on the same prompts, and token identity of every
     output, which joins the lossless check of what is stored); its time is not tuning time."""
     space = get_space(space_name)
@@ -199,13 +200,18 @@ def run_study(
     base = Baseline(DecodeStats(), DecodeStats(), True) if baseline else None
     tune_wall = 0.0
     with tqdm(total=len(prompts), desc=f"study {space.name}", unit="prompt", disable=not progress) as bar:
-        for ids in prompts:
-            plain_run = plain_decoder.generate(ids, cfg) if plain_decoder is not None else None
+        for i, ids in enumerate(prompts):
+            # the baseline decodes before the tuning decoder on even prompts and after it on odd
+            # ones, so an effect of going first or second (the machine's speed drifts) cancels
+            plain_first = plain_decoder is not None and i % 2 == 0
+            plain_run = plain_decoder.generate(ids, cfg) if plain_first else None
             start = time.perf_counter()
             tuner.start_prompt(len(ids))
             result = decoder.generate(ids, cfg, before_round=tuner.before_round)
             tuner.end_prompt(ids + result.tokens, result.stats)
             tune_wall += time.perf_counter() - start
+            if plain_decoder is not None and not plain_first:
+                plain_run = plain_decoder.generate(ids, cfg)
             stats = stats.merge(result.stats)
             if base is not None and plain_run is not None:
                 base.plain, base.tuning = base.plain.merge(plain_run.stats), base.tuning.merge(result.stats)

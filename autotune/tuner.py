@@ -331,9 +331,12 @@ class OnlineTuner:
         self._paused_at = None
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
-        """Attribute the prompt's last round to the running strategy; persist the new trials."""
+        """Attribute the prompt's last round to the running strategy, refresh the incumbent's
+        correction with it (what it is predicted to do is what it measured so far); persist the
+        new trials."""
         self._account(tokens, stats)
         self._last = None
+        self._correct(self.incumbent)
         t0 = self.clock()
         self.flush()
         self._paused_at = now = self.clock()

@@ -204,6 +204,8 @@ def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
     assert any(k.strategy.speculates and k.trial >= 0 for k in a.kept)  # then it switched to a tuned candidate
     assert a.switches and a.state.measured_trials >= len(a.switches)
     assert a_out.stats.drafted > 0
+    # the end of a prompt refreshes the kept strategy's correction with all it measured
+    assert a.best.speculates and a.predicted_tps(a.best) == pytest.approx(a.incumbent.measured_tps)
     c_out, c, c_study = self_spec_run(target, seed=7)
     assert [t.params for t in c_study.trials] != [t.params for t in a_study.trials]
     assert c_out.tokens == plain
