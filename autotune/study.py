@@ -161,7 +161,9 @@ class Baseline:
 
     def as_dict(self) -> dict[str, Any]:
         return {"plain_tps": self.plain.tokens_per_s, "tuning_tps": self.tuning.tokens_per_s, "ratio": self.ratio,
-                "identical": self.identical, "tokens": self.tuning.new_tokens}
+                "identical": self.identical, "tokens": self.tuning.new_tokens,
+                # prefill, verify and draft time of each side: where a gap between them comes from
+                "plain_stats": self.plain.as_dict(), "tuning_stats": self.tuning.as_dict()}
 
 
 def run_study(

@@ -69,6 +69,8 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
     # --baseline: plain decoding of the same prompt beside the tuning decoder, outputs compared
     base = report["baseline"]
     assert base["identical"] is True and base["plain_tps"] > 0 and base["tuning_tps"] > 0 and base["tokens"] > 0
+    assert base["plain_stats"]["new_tokens"] == base["tuning_stats"]["new_tokens"] == base["tokens"]
+    assert base["plain_stats"]["prefill_s"] > 0 and base["plain_stats"]["drafted"] == 0
     assert "vs plain" in out and "on the same prompts" in out
     assert report["tuner"]["trials"] >= 1 and 0 < report["tuning_share"] < 1
     assert "speedup vs plain" in out and "tuning share" in out
