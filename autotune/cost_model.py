@@ -79,7 +79,7 @@ class MeasuredCostModel:
     _by_plan: dict[LayerPlan | None, float] = field(default_factory=dict)
     _verify: float | None = None
     _plain: float | None = None
-    _full: float = 0.0  # one exact single-row draft forward (set by _fit)
+    _full: float | None = None  # one exact single-row draft forward (``_full_s``)
     calibration_s: float = 0.0
 
     def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None) -> float:
@@ -97,11 +97,19 @@ class MeasuredCostModel:
         self.calibration_s += time.perf_counter() - t0
         return out
 
+    def _full_s(self) -> float:
+        """One exact single-row draft forward, timed once: all a plan without skipped sub-layers needs."""
+        if self._full is None:
+            self._full = self._forward_s(self.draft, 1, None)
+        return self._full
+
     def _fit(self) -> tuple[float, float, float]:
+        """The forward's split into a base, each attention and each MLP sub-layer (two more timed
+        forwards): only plans that skip sub-layers need it."""
         if self._linear is None:
             n = self.draft.dims.n_layers
             inner = tuple(range(1, n - 1))
-            full = self._forward_s(self.draft, 1, None)
+            full = self._full_s()
             no_attn = self._forward_s(self.draft, 1, LayerPlan(n, skip_attn=inner)) if inner else full
             no_mlp = self._forward_s(self.draft, 1, LayerPlan(n, skip_mlp=inner)) if inner else full
             k = max(len(inner), 1)
@@ -109,16 +117,15 @@ class MeasuredCostModel:
             if n * (attn + mlp) > full:  # timing noise: keep the full plan's prediction == its timing
                 attn, mlp = (x * full / (n * (attn + mlp)) for x in (attn, mlp))
             self._linear = (full - n * (attn + mlp), attn, mlp)
-            self._full = full
         return self._linear
 
     def catch_up_s(self, rows: float) -> float:
         """An exact draft forward over ``rows`` tokens: with bonus calibration every round starts
         by re-running its accepted tokens + the bonus token (a wider GEMM than one draft step)."""
         if self._rows is None:
-            self._fit()
+            full = self._full_s()
             wide = max(self.verify_width, 2)
-            self._rows = (self._full, max(self._forward_s(self.draft, wide, None) - self._full, 0.0) / (wide - 1))
+            self._rows = (full, max(self._forward_s(self.draft, wide, None) - full, 0.0) / (wide - 1))
         one, per_row = self._rows
         return (one + max(rows - 1.0, 0.0) * per_row) * self.draft_scale
 
@@ -127,11 +134,11 @@ class MeasuredCostModel:
             if plan not in self._by_plan:
                 self._by_plan[plan] = self._forward_s(self.draft, 1, plan)
             return self._by_plan[plan] * self.draft_scale
+        if plan is None or not (plan.skip_attn or plan.skip_mlp):
+            return self._full_s() * self.draft_scale
         base, attn, mlp = self._fit()
         n = self.draft.dims.n_layers
-        skipped_a = len(plan.skip_attn) if plan else 0
-        skipped_m = len(plan.skip_mlp) if plan else 0
-        return (base + (n - skipped_a) * attn + (n - skipped_m) * mlp) * self.draft_scale
+        return (base + (n - len(plan.skip_attn)) * attn + (n - len(plan.skip_mlp)) * mlp) * self.draft_scale
 
     def verify_s(self) -> float:
         """A verify round: the mean of those seen while decoding, else one timed forward."""

@@ -151,6 +151,20 @@ def test_measured_cost_model_times_real_forwards(target, draft):
     assert fresh.verify_s() == 0.25 and fresh.calibration_s == 0.0
 
 
+def test_measured_cost_model_times_only_what_a_plan_needs(target, draft):
+    """The calibration is part of the tuning share: a draft's all-layer plan needs one timed
+    forward, and only a plan that skips sub-layers pays for the attention / MLP split."""
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1)
+    timed: list[tuple[int, object]] = []
+    real = cost._forward_s
+    cost._forward_s = lambda lm, rows, plan: timed.append((rows, plan)) or real(lm, rows, plan)
+    full = cost.draft_forward_s(None)
+    assert cost.draft_forward_s(None) == full and timed == [(1, None)]  # one timed forward, for every use
+    assert cost.catch_up_s(1) == pytest.approx(full) and timed[1:] == [(5, None)]  # + the catch-up's width
+    cost.draft_forward_s(uniform_skip_plan(N_LAYERS, 0.5))
+    assert len(timed) == 4 and all(rows == 1 and (p.skip_attn or p.skip_mlp) for rows, p in timed[2:])
+
+
 # ---------------------------------------------------------------------------------- the tuner
 class SimClock:
     """Deterministic time for tuner tests: what the decoded rounds would cost under the same
