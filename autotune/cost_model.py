@@ -7,7 +7,9 @@ from the timings the decoder records while it decodes with the incumbent strateg
   fitted from three timed plans (all layers; all inner attention skipped; all inner MLPs skipped).
 - Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
 - Bonus calibration's exact catch-up over several rows: linear in rows, from 1 and verify-width rows.
-- Verify: the verify rounds seen while decoding (one timed forward at the fixed width before any).
+- Verify: the verify rounds seen while decoding; before any, the faster of two timed forwards at
+  the fixed width (a first wide forward can take 1.5x a later one, and a single noisy timing
+  would price every draft out of the race: no drafted round would ever correct it).
 - Plain decoding: one timed single-token target forward, refreshed from plain rounds while decoding.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
 
 EMA = 0.2  # weight of a new observation in the refreshed correction factors
+VERIFY_TIMINGS = 2  # timed verify forwards before any verify round was seen (the least counts)
 
 
 class CostModel(Protocol):
@@ -82,7 +85,9 @@ class MeasuredCostModel:
     _full: float | None = None  # one exact single-row draft forward (``_full_s``)
     calibration_s: float = 0.0
 
-    def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None) -> float:
+    def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None, best_of: int = 1) -> float:
+        """Seconds of one forward of ``rows`` tokens after ``context`` (the median of ``repeats``;
+        the least of ``best_of`` such timings: noise only ever adds time)."""
         t0 = time.perf_counter()
         cache = lm.new_cache(self.context + rows + 1)
         cache.length = self.context  # timing only: the contents do not matter
@@ -93,7 +98,7 @@ class MeasuredCostModel:
             with torch.inference_mode():
                 lm(ids, cache, plan=plan, logits_for=slice(-1, None))
 
-        out = _timed(step, self.repeats, torch.device(lm.device), self.warm)
+        out = min(_timed(step, self.repeats, torch.device(lm.device), self.warm) for _ in range(best_of))
         self.calibration_s += time.perf_counter() - t0
         return out
 
@@ -141,9 +146,10 @@ class MeasuredCostModel:
         return (base + (n - len(plan.skip_attn)) * attn + (n - len(plan.skip_mlp)) * mlp) * self.draft_scale
 
     def verify_s(self) -> float:
-        """A verify round: the mean of those seen while decoding, else one timed forward."""
+        """A verify round: the mean of those seen while decoding, else the faster of two timed
+        forwards (one-time costs of the first wide forward and noise would make it pessimistic)."""
         if self._verify is None:
-            self._verify = self._forward_s(self.target, self.verify_width, None)
+            self._verify = self._forward_s(self.target, self.verify_width, None, best_of=VERIFY_TIMINGS)
         return self._verify * self.verify_scale
 
     def plain_step_s(self) -> float:

@@ -35,8 +35,8 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    every kept strategy.
 4. **Spends little**: tuning time is an allowance accruing at ``max_share`` of the time that
    passes while prompts decode (not between them), divided by 1 + the windows in a row the incumbent has led (re-scoring less
-   once stable), and trials spend it (the cost model's one-time timing is reported in the share
-   but not held against trials); after
+   once stable), and tuning spends it, the cost model's one-time timing included (trials wait
+   until the allowance is positive again, so the share stays at ``max_share``); after
    ``stop_windows`` such windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials
    it stops. Trials go to an in-memory study (Optuna's RDB writes would cost more than the
    trials) and are copied to the persistent one at the end of each prompt (``flush``).
@@ -292,8 +292,8 @@ class OnlineTuner:
         self._last: tuple[int, int, int, float, float, int, int] | None = None
         self._prompt_start = 0
         self._applied = False
-        # tuning-time allowance: accrues at the current share of elapsed time, trials spend it (the
-        # cost model's one-time timing excluded); a lower share later does not claw back earlier time
+        # tuning-time allowance: accrues at the current share of elapsed time, tuning spends it (the
+        # cost model's one-time timing too); a lower share later does not claw back earlier time
         self._allowance = 0.0
         self._accrued_at: float | None = None
         self._paused_at: float | None = None  # end of the last prompt: time between prompts does not accrue
@@ -377,10 +377,10 @@ class OnlineTuner:
         finally:
             spent = self.clock() - t0
             self.state.tuning_s += spent
-            # timing the cost model is a one-time cost: reported in the share, not held against trials
-            calibration = getattr(self.cost, "calibration_s", 0.0)
-            self.state.calibration_s, spent_calibrating = calibration, calibration - self.state.calibration_s
-            self._allowance -= spent - spent_calibrating
+            # timing the cost model is part of the share like trials are: held against the
+            # allowance (later trials wait for it), reported apart
+            self.state.calibration_s = getattr(self.cost, "calibration_s", 0.0)
+            self._allowance -= spent
             if self._last is not None:  # tuning time is not decode time of the running strategy
                 self._last = (*self._last[:4], self._last[4] + spent, *self._last[5:])
 

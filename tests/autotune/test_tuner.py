@@ -165,6 +165,18 @@ def test_measured_cost_model_times_only_what_a_plan_needs(target, draft):
     assert len(timed) == 4 and all(rows == 1 and (p.skip_attn or p.skip_mlp) for rows, p in timed[2:])
 
 
+def test_verify_timing_is_the_faster_of_two(target, draft, monkeypatch):
+    """Before any verify round is seen, the verify costs the faster of two timed forwards: a first
+    wide forward's one-time costs (or a noisy sample) would price every draft out, and no drafted
+    round would ever correct it. Power check: the first timing alone is 3x too slow."""
+    import autotune.cost_model as cm
+
+    samples = iter([3.0, 1.0])
+    monkeypatch.setattr(cm, "_timed", lambda fn, repeats, device, warm: next(samples))
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, warm=False)
+    assert cost.verify_s() == 1.0 and cost.verify_s() == 1.0  # timed once, kept
+
+
 # ---------------------------------------------------------------------------------- the tuner
 class SimClock:
     """Deterministic time for tuner tests: what the decoded rounds would cost under the same
@@ -607,3 +619,32 @@ def test_time_between_prompts_accrues_no_tuning_allowance():
     now[0] = 120.0
     tuner._accrue(now[0])  # 10 s more of decoding
     assert tuner._allowance == pytest.approx(2.0)
+
+
+def test_timing_the_cost_model_is_held_against_the_allowance(target):
+    """The cost model's one-time timing is tuning time like trials: it is spent from the
+    allowance, so trials wait until ``max_share`` of decode time has paid it back and the share
+    stays within ``max_share``. Power check: left out of the allowance, trials went on after it
+    (and the share was 5 s over 96 s)."""
+
+    class SlowToTime(FixedCostModel):
+        calibration_s = 0.0
+
+        def verify_s(self) -> float:
+            self.calibration_s = 5.0  # the first price costs 5 s of timing forwards
+            return super().verify_s()
+
+    cost = SlowToTime(draft_full_s=0.0, verify_const_s=1.0)
+    sim = SimClock(verify=1.0, draft=0.0)
+    clock = lambda: sim() + cost.calibration_s  # noqa: E731
+    ctx = SpaceContext(n_layers=N_LAYERS, max_draft_length=4)
+    tuner = OnlineTuner(get_space("lookup"), ctx, optuna.create_study(direction="maximize"), cost,
+                        TunerSettings(window=8, max_share=0.02, trials_per_round=1, min_trials=1000), clock=clock)
+    decoder = Decoder(target, PromptLookupDrafter(max_ngram=3), 4, verify_width=5, kind="prompt-lookup")
+    prompt = PROMPT * 3
+    tuner.start_prompt(len(prompt))
+    out = decoder.generate(prompt, GenerationConfig(max_new_tokens=96), before_round=sim.hook(tuner))
+    tuner.end_prompt(prompt + out.tokens, out.stats)
+    assert tuner.state.calibration_s == 5.0 and tuner.state.trials >= 1  # it timed, and tried
+    assert tuner.state.windows == 1 and tuner.state.skipped_for_budget > 0  # then waited (no second window)
+    assert tuner._allowance < 0  # 96 s of decoding at 2% has not paid back 5 s yet
