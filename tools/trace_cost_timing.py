@@ -18,12 +18,13 @@ from autotune.cli import main  # noqa: E402
 _real = cost_model.MeasuredCostModel._forward_s
 
 
-def _traced(self, lm, rows, plan):  # type: ignore[no-untyped-def]
+def _traced(self, lm, rows, plan, best_of=1):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    out = _real(self, lm, rows, plan)
+    out = _real(self, lm, rows, plan, best_of)
     kind = "full" if plan is None else ("groups" if plan.groups else "skips")
     who = "target" if lm is self.target else "draft"
-    print(f"timed {who} rows={rows} context={self.context} plan={kind} {time.perf_counter() - t0:.3f} s",
+    print(f"timed {who} rows={rows} context={self.context} plan={kind} best_of={best_of} {time.perf_counter() - t0:.3f} s"
+          f" (kept {out:.3f} s)",
           file=sys.stderr, flush=True)
     return out
 
