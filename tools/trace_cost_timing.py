@@ -18,9 +18,11 @@ from autotune.cli import main  # noqa: E402
 _real = cost_model.MeasuredCostModel._forward_s
 
 
-def _traced(self, lm, rows, plan, best_of=1):  # type: ignore[no-untyped-def]
+def _traced(self, lm, rows, plan, **kwargs):  # type: ignore[no-untyped-def]
+    """``_forward_s`` with its arguments passed through (a new keyword does not break the trace)."""
     t0 = time.perf_counter()
-    out = _real(self, lm, rows, plan, best_of)
+    out = _real(self, lm, rows, plan, **kwargs)
+    best_of = kwargs.get("best_of", 1)
     kind = "full" if plan is None else ("groups" if plan.groups else "skips")
     who = "target" if lm is self.target else "draft"
     print(f"timed {who} rows={rows} context={self.context} plan={kind} best_of={best_of} {time.perf_counter() - t0:.3f} s"

@@ -175,6 +175,10 @@ def test_verify_timing_is_the_faster_of_two(target, draft, monkeypatch):
     monkeypatch.setattr(cm, "_timed", lambda fn, repeats, device, warm: next(samples))
     cost = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, warm=False)
     assert cost.verify_s() == 1.0 and cost.verify_s() == 1.0  # timed once, kept
+    warms: list[bool] = []
+    monkeypatch.setattr(cm, "_timed", lambda fn, repeats, device, warm: warms.append(warm) or 1.0)
+    MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, warm=True).verify_s()
+    assert warms == [True, False]  # a warm-up forward before the first timing only, not before each
 
 
 # ---------------------------------------------------------------------------------- the tuner
