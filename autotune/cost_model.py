@@ -185,6 +185,7 @@ class FixedCostModel:
 
     draft_full_s: float = 1.0
     verify_const_s: float = 3.0
+    catch_up_row_s: float = 0.0  # each further row of an exact catch-up forward
 
     def draft_forward_s(self, plan: LayerPlan | None) -> float:
         if plan is None:
@@ -192,7 +193,7 @@ class FixedCostModel:
         return self.draft_full_s * (1.0 - plan.skip_ratio)
 
     def catch_up_s(self, rows: float) -> float:
-        return self.draft_full_s
+        return self.draft_full_s + max(rows - 1.0, 0.0) * self.catch_up_row_s
 
     def verify_s(self) -> float:
         return self.verify_const_s

@@ -76,15 +76,26 @@ def replay(strategy: Strategy, match: Match, horizon: int | None = None) -> tupl
     return tuple(sum(r[j] for r in rounds) / n for j in range(3))  # type: ignore[return-value]
 
 
-def _draft_s(strategy: Strategy, accepted: float, extra_forwards: float, cost: CostModel) -> float:
+def _draft_s(strategy: Strategy, accepted: float, extra_forwards: float, cost: CostModel,
+             copy_rows: float = 0.0) -> float:
     """Draft time of a model round that accepts ``accepted`` drafts after ``extra_forwards``
     forwards beyond the first: the first is a plain step, or with bonus calibration an exact
-    forward over the accepted tokens + bonus (one forward over that many rows)."""
+    forward over the accepted tokens + bonus (one forward over that many rows); a checked lookup
+    copy adds its ``copy_rows`` to that first forward."""
     step = cost.draft_forward_s(strategy.layer_plan)
     plan = strategy.layer_plan
     calibrates = strategy.drafter == "draft-model" and strategy.calibrate and plan is not None and not plan.is_identity
     first = cost.catch_up_s(accepted + 1.0) if calibrates else step
+    if copy_rows:
+        first += cost.catch_up_s(1.0 + copy_rows) - cost.catch_up_s(1.0)
     return first + extra_forwards * step
+
+
+def checks_copies(strategy: Strategy) -> bool:
+    """Whether ``lookup_first`` rounds check the copy with the model (a chain) or draft it alone
+    (a tree): ``runtime.drafters.ModelDrafter.checks_copies``."""
+    widths = strategy.tree_widths
+    return strategy.dynamic_widths is None and (widths is None or all(w == 1 for w in widths))
 
 
 def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
@@ -101,17 +112,29 @@ def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | No
 def predict_lookup_first(strategy: Strategy, match: Match, copies: LookupMatch, cost: CostModel,
                          horizon: int | None = None) -> Prediction:
     """A draft model with ``lookup_first``: from each start, a round that finds a recurring n-gram
-    (``copies``, replayed with the strategy's n-gram) is a lookup round - its accepted copy, one
-    verify, no draft forward; any other is the model's round as ``predict`` replays it. Expected
-    tokens over expected seconds per round."""
+    (``copies``, replayed with the strategy's n-gram) starts from its copy; any other is the
+    model's round as ``predict`` replays it. Expected tokens over expected seconds per round.
+
+    A chain checks the copy: it drafts (and so accepts) what the model alone would, and each
+    copied token the draft keeps saves one sequential forward. Where the draft's token is the
+    target's, the copy's is the draft's exactly when it is the target's, so the kept tokens are
+    ``min(copy accepted, model accepted)``; the copy's rows join the round's first forward.
+    A tree's lookup round is the copy alone: its accepted prefix, one verify, no draft forward."""
     w = min(match.window, copies.window)
     skip_m, skip_c = match.window - w, copies.window - w  # align both on the last w positions
     aligned = Match(match.hits[skip_m:], match.confidence[skip_m:])
     k = strategy.draft_length
     starts = _starts(w, k, horizon)
+    checked = checks_copies(strategy)
     tokens = draft = 0.0
     for (accepted, _, forwards), i in zip(_rounds(strategy, aligned, starts), starts):
-        if copies.proposed[skip_c + i] > 0:
+        proposed = copies.proposed[skip_c + i]
+        if proposed > 0 and checked:
+            rows = min(proposed, k)
+            kept = min(copies.accepted[skip_c + i], accepted, rows)
+            tokens += accepted + 1.0
+            draft += _draft_s(strategy, accepted, forwards - min(kept, forwards), cost, copy_rows=rows)
+        elif proposed > 0:
             tokens += min(copies.accepted[skip_c + i], k) + 1.0
         else:
             tokens += accepted + 1.0

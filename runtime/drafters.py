@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv_cache import KVCache
-from runtime.sampling import SamplingParams, logits_to_probs
+from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
@@ -104,9 +104,13 @@ class ModelDrafter:
     are kept and the remaining tokens run under the plan too.
 
     With ``lookup_first`` a round first tries prompt lookup over the sequence (an n-gram index it
-    keeps in any case, so a switch needs no rebuild): where ``LOOKUP_FIRST_MIN_NGRAM`` or more
-    tokens recur, the copied continuation is the draft (deterministic, ``q=None``) and the model
-    drafts nothing; the committed tokens then wait as ``pending`` for its next catch-up.
+    keeps in any case, so a switch needs no rebuild) where ``LOOKUP_FIRST_MIN_NGRAM`` or more
+    tokens recur. A chain checks the copied continuation with the model (``_propose_checked``):
+    the catch-up forward also runs the copy, each copied token is kept while the model would have
+    drafted it, and the model drafts on from the first it would not have - the same draft (greedy;
+    the same distribution when sampling) for fewer sequential draft forwards. A tree's round takes
+    the copy alone as its draft (deterministic, ``q=None``) and the model drafts nothing; the
+    committed tokens then wait as ``pending`` for its next catch-up.
     """
 
     def __init__(
@@ -118,7 +122,8 @@ class ModelDrafter:
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, max_ngram=LOOKUP_FIRST_MIN_NGRAM)
         self.lookup_first = lookup_first
-        self.lookup_rounds = 0  # rounds drafted by the lookup (``lookup_first``)
+        self.lookup_rounds = 0  # rounds that started from a lookup copy (``lookup_first``)
+        self.copied_kept = 0  # copied tokens a chain's check kept: draft forwards saved
         self.target_vocab = target_vocab
         self.shape = shape
         self.plan = None if plan is None or plan.is_identity else plan
@@ -184,7 +189,8 @@ class ModelDrafter:
         the same tokens at the same positions) are kept, not prefilled again - except with
         compiled steps, where the rest of the prompt would be a step of a new shape each time
         (a recompile) instead of the eager prefill."""
-        extra = self.shape.max_nodes() if self.shape else 0
+        # a round's rows: its drafted nodes; a checked lookup copy runs up to the draft length + 1 more
+        extra = 2 * (self.shape.max_nodes() + 1) if self.shape else 0
         need = capacity + extra
         keep = 0
         limit = 0 if self.model.is_compiled else min(len(self.exact_rows), len(prompt) - 1, self.cache.length)
@@ -207,13 +213,18 @@ class ModelDrafter:
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
+        copy: list[int] = []
         if self.lookup_first:
             copied = self.lookup.propose(k, params, generator)
             if copied.tokens.numel():
                 self.lookup_rounds += 1
-                return copied  # the model drafts nothing: ``observe`` queues the round's tokens
+                if not self.checks_copies:
+                    return copied  # the model drafts nothing: ``observe`` queues the round's tokens
+                copy = copied.tokens.tolist()
         # what a round appends at most: the deepest draft the shape allows, + 1
         self.catch_up_width = max(self.catch_up_width, (len(self.shape.widths) if self.shape else k) + 1)
+        if copy:
+            return self._propose_checked(copy, k, params, generator)
         logits = self._catch_up()  # [1, Vd]
         self.round.base = self.cache.length
         shape = self.shape or TreeShape(widths=(1,) * k)
@@ -222,24 +233,80 @@ class ModelDrafter:
             return self._propose_static(widths, logits, params, generator)
         return self._propose_adaptive(shape, len(widths), logits, params, generator)
 
-    def _catch_up(self) -> torch.Tensor:
-        """Run the committed tokens the draft has not seen -> the last one's logits ``[1, Vd]``.
-        Compiled, the rows are padded to a fixed width (the draft length + 1) and the padding
-        rolled back, so the step keeps one shape."""
-        ids = torch.tensor(self.pending, dtype=torch.long, device=self.model.device)
-        plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
+    def _catch_up(self, copy: list[int] | None = None) -> torch.Tensor:
+        """Run the committed tokens the draft has not seen -> the last one's logits ``[1, Vd]``;
+        with ``copy`` (a lookup copy to check) its tokens run after them in the same forward ->
+        ``[1 + len(copy), Vd]``, row ``d`` predicting copy token ``d`` (the last, the token after
+        the copy). Compiled, the rows are padded to a fixed width (the draft length + 1, twice
+        that with a copy) and the padding rolled back, so the step keeps one of two shapes."""
+        copy = copy or []
         n = len(self.pending)
+        ids = torch.tensor(self.pending + copy, dtype=torch.long, device=self.model.device)
+        plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
         if plan is None and self.cache.length == len(self.exact_rows):
             self.exact_rows.extend(self.pending)
         self.pending = []
-        width = max(n, self.catch_up_width) if self.model.is_compiled and self.cache.length else n
-        if width == n:
-            return self.model(ids, self.cache, logits_for=slice(-1, None), plan=plan).float()
+        rows = n + len(copy)
+        padded = self.catch_up_width * (2 if copy else 1)
+        width = max(rows, padded) if self.model.is_compiled and self.cache.length else rows
+        if width == rows:
+            return self.model(ids, self.cache, logits_for=slice(n - 1, None), plan=plan).float()
         start = self.cache.length
-        ids = torch.cat([ids, ids[-1:].expand(width - n)])
+        ids = torch.cat([ids, ids[-1:].expand(width - rows)])
         logits = self.model(ids, self.cache, plan=plan)
-        self.cache.rollback(start + n)
-        return logits[n - 1 : n].float()
+        self.cache.rollback(start + rows)
+        return logits[n - 1 : rows].float()
+
+    @property
+    def checks_copies(self) -> bool:
+        """Whether a lookup copy is checked by the model (chains) or drafted alone (trees)."""
+        shape = self.shape
+        return shape is None or (shape.dynamic is None and all(w == 1 for w in shape.widths))
+
+    def _propose_checked(self, copy: list[int], k: int, params: SamplingParams, gen: torch.Generator) -> Draft:
+        """A chain round from a lookup copy. One forward runs the pending tokens and the copy;
+        depth by depth, the copied token is kept where the model would have drafted it (greedy:
+        it is the argmax; sampling: ``reuse_or_draw``, so each depth is still drawn from the
+        draft's own distribution ``q``), and from the first depth where it is not, the copy's
+        rows are rolled back and the model drafts on as usual (threshold included). Greedy, the
+        draft is token for token the one the model alone would propose; each kept token saves
+        one sequential draft forward. ``copied_kept`` counts them."""
+        shape = self.shape or TreeShape(widths=(1,) * k)
+        depth_max = min(k, len(shape.widths))
+        copy = copy[:depth_max]
+        rows = self._catch_up(copy)  # [len(copy) + 1, Vd]
+        rnd = self.round
+        rnd.base = self.cache.length - len(copy)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        logits = rows[0]
+        copying = True
+        for depth in range(depth_max):
+            if depth > 0 and shape.threshold > 0 and float(torch.softmax(logits, -1).max()) < shape.threshold:
+                break
+            q = logits_to_probs(logits, params)  # [Vd]
+            if copying and depth < len(copy) and copy[depth] < q.shape[-1]:
+                tok, kept = reuse_or_draw(q, copy[depth], gen)
+            else:
+                tok, kept = int(sample(q, gen)) if not params.greedy else int(torch.argmax(q)), False
+            tokens.append(tok)
+            if not params.greedy:
+                qs.append(q)
+            if kept:  # its row is the copy's: the next depth's logits are already computed
+                rnd.slot[depth] = depth
+                self.copied_kept += 1
+                logits = rows[depth + 1]
+                continue
+            if copying:
+                copying = False
+                self.cache.rollback(rnd.base + depth)  # the copy's rows from here on are not the draft's
+            if depth + 1 == depth_max:
+                break
+            logits = self.model(torch.tensor([tok], device=self.model.device), self.cache, plan=self.plan).float()[0]
+            rnd.slot[depth] = depth
+        self.cache.rollback(rnd.base + len(rnd.slot))  # kept copy rows past a threshold stop
+        q_all = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q_all, None)
 
     def _propose_static(
         self, widths: tuple[int, ...], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator

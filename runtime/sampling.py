@@ -125,6 +125,24 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, diff / safe, p)
 
 
+def reuse_or_draw(q: Tensor, proposed: int, generator: torch.Generator) -> tuple[int, bool]:
+    """A token distributed exactly as ``q`` ``[V]`` that reuses ``proposed`` where it can: keep it with
+    probability ``q(proposed)``, else draw from ``q`` with ``proposed`` removed (renormalised) ->
+    ``(token, kept)``. P(proposed) = q(proposed) and P(x) = (1 - q(proposed)) q(x) / (1 - q(proposed))
+    = q(x) otherwise: speculative sampling with a one-hot draft and ``q`` as the target. How a draft
+    model checks a prompt-lookup copy without changing the distribution it drafts from. A greedy
+    (one-hot) ``q`` keeps ``proposed`` exactly when it is ``q``'s argmax, with no random draw."""
+    top = int(torch.argmax(q))
+    if float(q[top]) >= 1.0:  # one-hot (greedy): deterministic
+        return top, top == proposed
+    q_c = float(q[proposed])
+    if q_c > 0.0 and float(torch.rand((), generator=generator, device=q.device)) < q_c:
+        return proposed, True
+    rest = q.clone()
+    rest[proposed] = 0.0
+    return int(sample(rest / rest.sum(), generator)), False
+
+
 def _check_chain_shapes(p: Tensor, q: Tensor | None, draft_tokens: Tensor) -> int:
     """Validate verify_chain inputs; return k (number of draft tokens)."""
     if draft_tokens.dim() != 1:

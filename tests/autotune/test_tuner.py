@@ -574,23 +574,29 @@ def test_lengths_are_compared_on_the_same_start_positions():
 
 
 def test_lookup_first_prediction_mixes_copied_and_drafted_rounds():
-    """``lookup_first``: a start where the n-gram replay proposes is a lookup round (its accepted
-    copy, one verify, no draft forward); elsewhere the model's replayed round. All copying equals
-    prompt lookup's prediction, none the model's."""
-    cost = FixedCostModel(draft_full_s=0.1, verify_const_s=1.0)
+    """``lookup_first``: a chain checks the copy, so it accepts what the model alone would, and
+    each copied token the draft keeps (at most the copy's accepted prefix) saves a draft forward,
+    while the copy's rows join the first forward. A tree's lookup round is the copy alone (its
+    accepted copy, one verify, no draft forward). No copy anywhere: the model's prediction."""
+    cost = FixedCostModel(draft_full_s=0.1, verify_const_s=1.0, catch_up_row_s=0.01)
     match = synthetic([True] * 24, [1.0] * 24)
     s = Strategy(draft_length=4, confidence_threshold=0.0, lookup_first=True)
     everywhere = LookupMatch((4,) * 24, (2,) * 24)
     nowhere = LookupMatch((0,) * 24, (0,) * 24)
-    lookup = Strategy(drafter="prompt-lookup", draft_length=4)
-    assert predict_lookup_first(s, match, everywhere, cost, 12) == predict_lookup(lookup, everywhere, cost, 12)
     plain_model = predict(replace(s, lookup_first=False), match, cost, 12)
+    assert plain_model.tokens_per_round == 5.0 and plain_model.draft_seconds == pytest.approx(0.4)
     got = predict_lookup_first(s, match, nowhere, cost, 12)
-    assert got.tokens_per_round == plain_model.tokens_per_round == 5.0
+    assert got.tokens_per_round == plain_model.tokens_per_round
     assert got.seconds_per_round == pytest.approx(plain_model.seconds_per_round)
+    checked = predict_lookup_first(s, match, everywhere, cost, 12)
+    assert checked.tokens_per_round == 5.0  # the model's drafts, not the copy's 2 + 1
+    assert checked.draft_seconds == pytest.approx(0.1 + 4 * 0.01 + 1 * 0.1)  # 2 of 3 further forwards saved
     half = LookupMatch((4, 0) * 12, (1, 0) * 12)  # copies accept 1 where the model accepts 4
     mixed = predict_lookup_first(s, match, half, cost, 12)
-    assert 2.0 < mixed.tokens_per_round < 5.0 and mixed.draft_seconds < plain_model.draft_seconds
+    assert mixed.tokens_per_round == 5.0 and checked.draft_seconds < mixed.draft_seconds < plain_model.draft_seconds
+    tree = replace(s, tree_widths=(2, 1, 1, 1))
+    lookup = Strategy(drafter="prompt-lookup", draft_length=4)
+    assert predict_lookup_first(tree, match, everywhere, cost, 12) == predict_lookup(lookup, everywhere, cost, 12)
 
 
 def test_settings_are_validated():

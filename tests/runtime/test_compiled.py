@@ -52,8 +52,14 @@ def _easyspec(target: CausalLM, draft: CausalLM) -> Decoder:
     return Decoder(target, drafter, 3, verify_width=4)
 
 
+def _lookup_first(target: CausalLM, draft: CausalLM) -> Decoder:
+    """PROMPT ends with the trigram it opens with: the first round checks a lookup copy."""
+    return Decoder(target, ModelDrafter(draft, target.dims.vocab, TreeShape((1, 1, 1)), lookup_first=True), 3,
+                   verify_width=4)
+
+
 MODES: dict[str, Callable[[CausalLM, CausalLM], Decoder]] = {
-    "plain": _plain, "chain": _chain, "tree-3-2-1": _tree, "easyspec": _easyspec,
+    "plain": _plain, "chain": _chain, "tree-3-2-1": _tree, "easyspec": _easyspec, "lookup-first": _lookup_first,
 }
 
 
@@ -83,6 +89,8 @@ def test_compiled_decoding_equals_eager(weights, mode):
         assert compiled.stats.drafted > 0 and max(compiled.stats.accept_hist[2:] or [0]) > 0
         assert TREE.max_nodes() + 1 in widths if mode == "tree-3-2-1" else 4 in widths
         assert 1 in widths or mode == "tree-3-2-1"
+        if mode == "lookup-first":  # the checked copy's catch-up: padded to twice the draft length + 1
+            assert 8 in widths, widths
 
 
 def test_compiled_sampling_equals_eager_sampling(weights):

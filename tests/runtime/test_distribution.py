@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import runtime.decoding
+import runtime.drafters
 import runtime.sampling
 import runtime.tree_verify
 from runtime.decoding import Decoder
@@ -128,18 +129,27 @@ def _prompt_lookup(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case
     return Case(decoder, target, prompt=list(LOOKUP_PROMPT))
 
 
-def _lookup_first(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
-    """A draft model with ``lookup_first``: the first round copies (one-hot q) where the prompt's
-    trigram recurs - after a sampled 3 - and the model drafts (its q) otherwise: both kinds of
-    round must have run."""
-    target = CausalLM(m["target"])
-    drafter = ModelDrafter(CausalLM(m["draft"]), target.dims.vocab, CHAIN, lookup_first=True)
-    decoder = Decoder(target, drafter, len(CHAIN.widths), verify_width=CHAIN.max_nodes() + 1)
+def _lookup_first(shape: TreeShape) -> Builder:
+    """A draft model with ``lookup_first``: the first round starts from a copy where the prompt's
+    trigram recurs - after a sampled 3 - and the model drafts otherwise; both kinds of round must
+    have run. A chain checks the copy (kept tokens are still draws from the draft's q, see
+    ``reuse_or_draw``); a tree drafts the copy alone (one-hot q)."""
+    def build(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
+        target = CausalLM(m["target"])
+        drafter = ModelDrafter(CausalLM(m["draft"]), target.dims.vocab, shape, lookup_first=True)
+        decoder = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1)
 
-    def both_kinds_of_round(exact: Exact, got: Sample) -> None:
-        assert 0 < drafter.lookup_rounds < got.stats.draft_rounds, (drafter.lookup_rounds, got.stats.draft_rounds)
+        def both_kinds_of_round(exact: Exact, got: Sample) -> None:
+            assert 0 < drafter.lookup_rounds < got.stats.draft_rounds, (drafter.lookup_rounds, got.stats.draft_rounds)
+            if drafter.checks_copies:
+                assert drafter.copied_kept > 0  # the check kept copied tokens
+            else:
+                assert drafter.copied_kept == 0
 
-    return Case(decoder, target, prompt=list(LOOKUP_PROMPT), extra=both_kinds_of_round)
+        return Case(decoder, target, prompt=list(LOOKUP_PROMPT), extra=both_kinds_of_round,
+                    checks=dict(branched=not drafter.checks_copies))
+
+    return build
 
 
 def _packed_verify(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
@@ -187,7 +197,8 @@ MODES: dict[str, Builder] = {
     "int8-draft": _int8_draft,
     "restricted-draft-head": _restricted_head,
     "prompt-lookup": _prompt_lookup,
-    "lookup-first-draft-model": _lookup_first,
+    "lookup-first-draft-model": _lookup_first(CHAIN),
+    "lookup-first-tree": _lookup_first(TREE),
     "packed-verify": _packed_verify,
     "chain-through-tree-verifier": _chain_through_tree_verifier,
 }
@@ -247,3 +258,14 @@ def test_harness_rejects_a_wrong_acceptance_rule(mutant, models, monkeypatch):
     assert got.stats.drafted > 0
     result = chi_square(exact, got.counts)
     assert result.pvalue < ALPHA or result.impossible, f"{mutant} went unnoticed: {result}"
+
+
+def test_harness_rejects_a_lookup_check_that_always_keeps_the_copy(models, monkeypatch):
+    """A chain's lookup check that keeps every copied token (yet reports the draft's q, as the
+    correct check may) proposes tokens not drawn from q: the harness must reject it."""
+    monkeypatch.setattr(runtime.drafters, "reuse_or_draw", lambda q, proposed, gen: (proposed, True))
+    case = _lookup_first(CHAIN)(models, monkeypatch)
+    exact, got = _run(case)
+    assert got.stats.drafted > 0 and case.decoder.drafter.lookup_rounds > 0
+    result = chi_square(exact, got.counts)
+    assert result.pvalue < ALPHA or result.impossible, f"an always-kept copy went unnoticed: {result}"

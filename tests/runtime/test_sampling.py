@@ -20,6 +20,7 @@ from runtime.sampling import (
     SamplingParams,
     logits_to_probs,
     residual,
+    reuse_or_draw,
     sample,
     verify_chain,
     verify_chain_greedy,
@@ -269,6 +270,53 @@ def test_chi_square_has_power_against_wrong_residual(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(sampling, "residual", lambda p_, q_: p_)
     counts = _single_step_counts(p, q, drafts, seed=11)
     assert _chisquare_pvalue(counts, p.numpy()) < 1e-6
+
+
+# --- reuse_or_draw: a lookup copy checked against the draft's q --------------------------------
+
+def _reuse_counts(q: torch.Tensor, proposed: int, seed: int, rule=reuse_or_draw) -> tuple[np.ndarray, int]:
+    gen = _gen(seed)
+    counts = np.zeros(q.shape[0], dtype=np.int64)
+    kept = 0
+    for _ in range(N_DRAWS):
+        tok, was_kept = rule(q, proposed, gen)
+        counts[tok] += 1
+        kept += was_kept
+        assert not was_kept or tok == proposed
+    return counts, kept
+
+
+@pytest.mark.parametrize("proposed", [0, 2, 3])
+def test_reuse_or_draw_is_distributed_as_q(proposed: int) -> None:
+    """The copied token is kept with probability q(copy), else drawn from q without it: the
+    token is a draw from q whichever way (token 3 has q = 0: never kept)."""
+    q = _dist(5, 1, 3, 0, 1)
+    counts, kept = _reuse_counts(q, proposed, seed=60 + proposed)
+    assert _chisquare_pvalue(counts, q.numpy()) > P_MIN
+    assert abs(kept / N_DRAWS - float(q[proposed])) < 0.02
+    assert counts[3] == 0
+
+
+def test_reuse_or_draw_greedy_keeps_exactly_the_argmax() -> None:
+    q = _dist(0, 0, 1, 0)  # greedy: one-hot
+    gen = _gen(1)
+    state = gen.get_state()
+    assert reuse_or_draw(q, 2, gen) == (2, True)
+    assert reuse_or_draw(q, 1, gen) == (2, False)
+    assert torch.equal(gen.get_state(), state)  # no random draw
+
+
+def test_reuse_or_draw_check_has_power_against_a_wrong_redraw() -> None:
+    """The same check rejects a rule that, after not keeping the copy, draws from q itself (so
+    the copy comes back too often)."""
+    def redraw_from_q(q: torch.Tensor, proposed: int, gen: torch.Generator) -> tuple[int, bool]:
+        if float(torch.rand((), generator=gen)) < float(q[proposed]):
+            return proposed, True
+        return int(sample(q, gen)), False
+
+    q = _dist(5, 1, 3, 0, 1)
+    counts, _ = _reuse_counts(q, 0, seed=60, rule=redraw_from_q)
+    assert _chisquare_pvalue(counts, q.numpy()) < 1e-6
 
 
 # --- verify_chain: properties and errors --------------------------------------------------------
