@@ -51,9 +51,11 @@ class Strategy:
       ``p_max`` ending at 1.0: each draft position also offers its top-k candidates, k chosen by
       the draft's confidence (see ``SWIFT_DYNAMIC_WIDTHS``). Exclusive with ``tree_widths``.
     - ``lookup_first``: a draft model's rounds first try prompt lookup (an n-gram of at least
-      ``LOOKUP_FIRST_MIN_NGRAM`` tokens of the context recurs): where it matches, its copied
-      continuation is the draft and the model drafts nothing; elsewhere the model drafts. Code
-      that copies its prompt gets lookup's free drafts, the rest the model's.
+      ``LOOKUP_FIRST_MIN_NGRAM`` tokens of the context recurs). Where it matches, a chain's draft
+      checks the copied continuation in its catch-up forward, keeps each copied token it would
+      have drafted itself (greedy: the same draft as without lookup) and drafts on from the
+      first it would not: fewer sequential draft forwards where the text repeats. A tree's round
+      takes the copy alone (the model drafts nothing). Elsewhere the model drafts.
     - ``draft_vocab``: restrict the draft's output head to token ids ``[0, draft_vocab)`` (BPE ids
       are roughly frequency-ordered); ``None`` keeps the full head. Lossless either way, but
       measured on HumanEval with the Qwen pair, 32768 ids cost more acceptance (alpha 0.70 vs
