@@ -288,7 +288,8 @@ class ModelDrafter:
             if copying and depth < len(copy) and copy[depth] < q.shape[-1]:
                 tok, kept = reuse_or_draw(q, copy[depth], gen)
             else:
-                tok, kept = int(sample(q, gen)) if not params.greedy else int(torch.argmax(q)), False
+                tok = int(torch.argmax(q)) if params.greedy else int(sample(q, gen))
+                kept = False
             tokens.append(tok)
             if not params.greedy:
                 qs.append(q)
