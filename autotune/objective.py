@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from autotune.cost_model import CostModel
 from autotune.matchness import TOP_K, LookupMatch, Match
+from runtime.drafters import tree_shape
 from search_spaces.strategy import Strategy
 
 
@@ -91,13 +92,6 @@ def _draft_s(strategy: Strategy, accepted: float, extra_forwards: float, cost: C
     return first + extra_forwards * step
 
 
-def checks_copies(strategy: Strategy) -> bool:
-    """Whether ``lookup_first`` rounds check the copy with the model (a chain) or draft it alone
-    (a tree): ``runtime.drafters.ModelDrafter.checks_copies``."""
-    widths = strategy.tree_widths
-    return strategy.dynamic_widths is None and (widths is None or all(w == 1 for w in widths))
-
-
 def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
     accepted, _, extra_forwards = replay(strategy, match, horizon)
     draft_s = _draft_s(strategy, accepted, extra_forwards, cost)
@@ -125,7 +119,7 @@ def predict_lookup_first(strategy: Strategy, match: Match, copies: LookupMatch, 
     aligned = Match(match.hits[skip_m:], match.confidence[skip_m:])
     k = strategy.draft_length
     starts = _starts(w, k, horizon)
-    checked = checks_copies(strategy)
+    checked = tree_shape(strategy).is_chain  # the drafter's ``checks_copies``
     tokens = draft = 0.0
     for (accepted, _, forwards), i in zip(_rounds(strategy, aligned, starts), starts):
         proposed = copies.proposed[skip_c + i]

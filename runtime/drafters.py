@@ -75,6 +75,11 @@ class TreeShape:
     def max_nodes(self) -> int:
         return tree_node_bound(self.widths, self.dynamic)
 
+    @property
+    def is_chain(self) -> bool:
+        """One node per depth (no widths above 1, no dynamic alternatives)."""
+        return self.dynamic is None and all(w == 1 for w in self.widths)
+
 
 def tree_shape(s: Strategy) -> TreeShape:
     """The draft tree a strategy asks for (a chain: width 1 at every depth)."""
@@ -260,8 +265,7 @@ class ModelDrafter:
     @property
     def checks_copies(self) -> bool:
         """Whether a lookup copy is checked by the model (chains) or drafted alone (trees)."""
-        shape = self.shape
-        return shape is None or (shape.dynamic is None and all(w == 1 for w in shape.widths))
+        return self.shape is None or self.shape.is_chain
 
     def _propose_checked(self, copy: list[int], k: int, params: SamplingParams, gen: torch.Generator) -> Draft:
         """A chain round from a lookup copy. One forward runs the pending tokens and the copy;
