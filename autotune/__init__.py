@@ -7,16 +7,16 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "load_best_strategy": "autotune.resolve",
-    "resolve_strategy": "autotune.resolve",
-    "run_study": "autotune.study",
-    "OnlineTuner": "autotune.tuner",
-    "TunerSettings": "autotune.tuner",
-    "MeasuredCostModel": "autotune.cost_model",
-    "matchness": "autotune.matchness",
-    "predict": "autotune.objective",
-    "open_storage": "autotune.storage",
-    "Storage": "autotune.storage",
+    "load_best_strategy": "autotune.store.resolve",
+    "resolve_strategy": "autotune.store.resolve",
+    "run_study": "autotune.tuning.study",
+    "OnlineTuner": "autotune.tuning.tuner",
+    "TunerSettings": "autotune.tuning.tuner",
+    "MeasuredCostModel": "autotune.tuning.cost_model",
+    "matchness": "autotune.tuning.matchness",
+    "predict": "autotune.tuning.objective",
+    "open_storage": "autotune.store.storage",
+    "Storage": "autotune.store.storage",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.study import space_context, standby_strategies, verify_width  # noqa: E402
+from autotune.tuning.study import space_context, standby_strategies, verify_width  # noqa: E402
 from runtime.decoding import GenerationConfig  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
 from search_spaces.spaces import get_space  # noqa: E402

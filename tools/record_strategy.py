@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.records import ResultMetrics  # noqa: E402
-from autotune.storage import open_storage  # noqa: E402
+from autotune.store.records import ResultMetrics  # noqa: E402
+from autotune.store.storage import open_storage  # noqa: E402
 from search_spaces.strategy import Strategy  # noqa: E402
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.storage import open_storage  # noqa: E402
-from autotune.study import run_study, space_context, verify_width  # noqa: E402
-from autotune.tuner import TunerSettings  # noqa: E402
+from autotune.store.storage import open_storage  # noqa: E402
+from autotune.tuning.study import run_study, space_context, verify_width  # noqa: E402
+from autotune.tuning.tuner import TunerSettings  # noqa: E402
 from runtime.decoding import GenerationConfig  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
 from runtime.stats import DecodeStats  # noqa: E402

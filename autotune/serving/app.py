@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from autotune.serving.protocol import (
     ApiError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, validation_error,
 )
-from autotune.serving.routing import StrategyBook
+from autotune.serving.routing.book import StrategyBook
 from autotune.serving.text import TextStream
 from autotune.serving.worker import Job, Outcome
 from runtime.decoding import GenerationConfig, check_fits

@@ -57,7 +57,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     ``Server`` (worker not started)."""
     from autotune.serving.app import Server
     from autotune.serving.metrics import ServingMetrics
-    from autotune.serving.routing import StrategyBook
+    from autotune.serving.routing.book import StrategyBook
     from autotune.serving.worker import DecodeWorker
     from runtime.loading import check_vocab_compatible
     from runtime.pipeline import ModelPool
@@ -73,7 +73,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance))
     worker.share_width(book.strategies())
     if cfg.adaptive is not None:
-        from autotune.serving.adaptive import Adapter
+        from autotune.serving.adaptive.adaptive import Adapter
 
         worker.adapter = Adapter(cfg.adaptive, pool, target, cfg.draft, cfg.device, storage, book, metrics, worker)
         worker.verify_width = max(worker.verify_width, worker.adapter.width)  # one packed target for all
@@ -110,7 +110,7 @@ async def _refresh_loop(server: Any, every_s: float) -> None:
 def serve(cfg: ServeConfig) -> int:
     import uvicorn
 
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
 
     check_port_free(cfg.host, cfg.port)
     with open_storage(cfg.storage) as storage:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from autotune.cli import main
+from autotune.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.bench import BenchContext, _lookup_strategy, _sd_strategy, _tree_strategy, parse_method
+from autotune.measure.bench import BenchContext, _lookup_strategy, _sd_strategy, _tree_strategy, parse_method
 from autotune.errors import CliError
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, Strategy
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from autotune.diagnose import STATES, StateRecorder, diagnose, format_table, fuzzy_layers, token_cosines
+from autotune.measure.diagnose import STATES, StateRecorder, diagnose, format_table, fuzzy_layers, token_cosines
 from runtime.errors import RuntimeUserError
 from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
@@ -74,7 +74,7 @@ def test_fuzzy_h_is_the_group_input(lm):
 def test_exact_prefix_run_is_a_fuzzy_step_over_the_exact_cache(lm):
     """The one-pass exact-prefix variant equals, per token, a fuzzy single-token forward after an
     exact prefill of the tokens before it."""
-    from autotune.diagnose import _run
+    from autotune.measure.diagnose import _run
 
     ids = _prompts(lm.dims.vocab)[1]
     plan = easyspec_plan(LAYERS, 3)

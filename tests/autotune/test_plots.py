@@ -1,4 +1,4 @@
-"""Study reports and bench plots (``autotune.plots``, ``autotune report``, ``bench --plot``).
+"""Study reports and bench plots (``autotune.reports.plots``, ``autotune report``, ``bench --plot``).
 
 The study tests run one short real study on SmolLM2 (slow tier) and render it through the library
 and through the CLI; the bench plot and the CLI's error cases need no model.
@@ -14,10 +14,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.cli import main
-from autotune.plots import STUDY_PLOTS, bench_plot, predicted_vs_measured, write_study_report
-from autotune.report_cmd import safe_dir_names
-from autotune.storage import open_storage
+from autotune.cli.main import main
+from autotune.reports.plots import STUDY_PLOTS, bench_plot, predicted_vs_measured, write_study_report
+from autotune.cli.report import safe_dir_names
+from autotune.store.storage import open_storage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALWAYS = ("tuning_curve.png", "predicted_vs_measured.png")
@@ -47,8 +47,8 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def studied(tmp_path_factory) -> tuple[str, str]:
     """A short layer-skip study of SmolLM2 on two HumanEval prompts: (storage URL, study name)."""
-    from autotune.study import run_study
-    from autotune.tuner import TunerSettings
+    from autotune.tuning.study import run_study
+    from autotune.tuning.tuner import TunerSettings
     from runtime.decoding import GenerationConfig
     from runtime.pipeline import ModelPool, eos_ids
     from studies import encode_prompt, load_prompts

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from autotune.cli import main
+from autotune.cli.main import main
 from runtime.loading import model_config, packaged_configs, parse_dtype, random_model
 from runtime.models import MODEL_ALIASES, PackagedGGUF
 from tests.autotune.test_cli_errors import assert_one_line_error, run_cli
@@ -20,7 +20,7 @@ def _no_weights(*args, **kwargs):
 def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))  # no cached weights either
     monkeypatch.setattr("runtime.loading._package_dir", _no_weights)
-    monkeypatch.setattr("autotune.profile.load_model", _no_weights)
+    monkeypatch.setattr("autotune.measure.profile.load_model", _no_weights)
     out = tmp_path / "profile.json"
     code = main([
         "profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,4", "--lp-size", "2",
@@ -46,9 +46,9 @@ def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch)
 
 
 def test_profile_with_a_draft_times_the_draft(monkeypatch):
-    from autotune.profile import ProfileSettings, run_profile
+    from autotune.measure.profile import ProfileSettings, run_profile
 
-    monkeypatch.setattr("autotune.profile.load_model", _no_weights)
+    monkeypatch.setattr("autotune.measure.profile.load_model", _no_weights)
     settings = ProfileSettings(widths=(2,), lp_sizes=(3,), context=16, min_run_time=0.01)
     report = run_profile("smollm2-135m", "smollm2-135m", "cpu", "float32", True, settings)
     assert report["config"]["draft"] == "smollm2-135m@random:0"
@@ -145,7 +145,7 @@ def test_hf_static_is_identical_to_hf(tmp_path):
 
 def test_cost_model_timing_waits_for_cuda_kernels(monkeypatch):
     """On CUDA a forward returns at launch: the cost model's clock reads sit between synchronisations."""
-    from autotune.cost_model import _timed
+    from autotune.tuning.cost_model import _timed
 
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-import autotune.cli
-import autotune.replay
+import autotune.cli.main
+import autotune.measure.replay
 from autotune.errors import CliError
-from autotune.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
-from autotune.replay_report import aggregate, category_bands, format_table, identical, replay_plot, row, switches
+from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
+from autotune.reports.replay_report import aggregate, category_bands, format_table, identical, replay_plot, row, switches
 from studies import Prompt, StreamRequest, write_stream
 
 
@@ -162,7 +162,7 @@ def stream_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def quiet_cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autotune.cli, "_quiet_libraries", lambda: None)  # no transformers import needed here
+    monkeypatch.setattr(autotune.cli.main, "_quiet_libraries", lambda: None)  # no transformers import needed here
 
 
 def _use_fake(monkeypatch: pytest.MonkeyPatch, transport: httpx.MockTransport) -> None:
@@ -170,14 +170,14 @@ def _use_fake(monkeypatch: pytest.MonkeyPatch, transport: httpx.MockTransport) -
         def __init__(self, settings: ReplaySettings) -> None:
             super().__init__(settings, transport=transport)
 
-    monkeypatch.setattr(autotune.replay, "ReplayClient", FakeClient)
+    monkeypatch.setattr(autotune.measure.replay, "ReplayClient", FakeClient)
 
 
 def test_command_on_fake_server(tmp_path: Path, stream_file: Path, monkeypatch: pytest.MonkeyPatch,
                                 capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
     _use_fake(monkeypatch, fake_server(health_routes={"code": {"retunes": 2}}))
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    code = autotune.cli.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--max-tokens", "7",
+    code = autotune.cli.main.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--max-tokens", "7",
                               "--json", str(out), "--plot", str(png), "--concurrency", "2"])
     printed = capsys.readouterr().out
     assert code == 0 and "identical across auto, plain, default on all 4 requests" in printed
@@ -193,13 +193,13 @@ def test_command_on_fake_server(tmp_path: Path, stream_file: Path, monkeypatch: 
 def test_command_exit_1_when_outputs_differ(stream_file: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
     _use_fake(monkeypatch, fake_server(differ_mode="plain"))
-    code = autotune.cli.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--limit", "3",
+    code = autotune.cli.main.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--limit", "3",
                               "--mode", "auto,plain"])
     assert code == 1 and "3 of 3 requests DIFFER" in capsys.readouterr().out
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> None:
-    code = autotune.cli.main(argv)
+    code = autotune.cli.main.main(argv)
     err = capsys.readouterr().err
     lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
@@ -250,11 +250,11 @@ def test_not_json_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, cap
 # ---------------------------------------------------------------------- slow: a real server
 @pytest.mark.slow
 def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from autotune.records import ResultMetrics
-    from autotune.resolve import strategy_key
+    from autotune.store.records import ResultMetrics
+    from autotune.store.resolve import strategy_key
     from autotune.serving.server import ServeConfig, build_server
     from tests.autotune.test_serve import LiveServer
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
     from search_spaces.layer_plan import uniform_skip_plan
     from search_spaces.strategy import Strategy
     from studies import load_prompts, routing_text
@@ -271,7 +271,7 @@ def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest
                            prompts=texts)
         server = build_server(ServeConfig(model="smollm2-135m", storage=url), storage, pool=pool)
         with LiveServer(server) as live:
-            code = autotune.cli.main([
+            code = autotune.cli.main.main([
                 "replay", "--stream", "mixed", "--tasks", "gsm8k,humaneval", "--block", "2", "--blocks-per-task", "1",
                 "--url", live.url, "--mode", "auto,plain", "--max-tokens", "12", "--json", str(out), "--plot", str(png),
             ])

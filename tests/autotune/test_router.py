@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from autotune.records import PROMPT_CHARS
-from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter
-from autotune.serving.router_eval import measure_routing
+from autotune.store.records import PROMPT_CHARS
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter
+from autotune.serving.routing.router_eval import measure_routing
 from search_spaces.strategy import PLAIN, Strategy
 
 CODE = (

@@ -18,10 +18,10 @@ import time
 import httpx
 import pytest
 
-from autotune.records import ResultMetrics
-from autotune.resolve import strategy_key
+from autotune.store.records import ResultMetrics
+from autotune.store.resolve import strategy_key
 from autotune.serving.server import ServeConfig, build_server, make_app
-from autotune.storage import open_storage
+from autotune.store.storage import open_storage
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids
 from search_spaces.layer_plan import uniform_skip_plan

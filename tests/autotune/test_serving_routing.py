@@ -1,4 +1,4 @@
-"""Which strategy the server decodes a request with (autotune.serving.routing), on a real store
+"""Which strategy the server decodes a request with (autotune.serving.routing.book), on a real store
 (SQLite) and real task prompts; no model is loaded: the book only needs the served model's id."""
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.hardware import hardware_fingerprint
-from autotune.records import ResultMetrics, StrategyKey
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.serving.metrics import ServingMetrics
 from autotune.serving.protocol import ApiError
-from autotune.serving.routing import StrategyBook
-from autotune.storage import open_storage
+from autotune.serving.routing.book import StrategyBook
+from autotune.store.storage import open_storage
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import load_prompts, routing_text

@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from autotune.errors import StorageError
-from autotune.storage import (
+from autotune.store.storage import (
     PROMPT_CHARS, PROMPTS_PER_RECORD, ResultMetrics, Storage, StrategyKey, default_storage_url, open_storage,
 )
 from search_spaces.errors import StrategyError
@@ -175,7 +175,7 @@ def test_two_processes_retune_one_route_concurrently(store_url, tmp_path):
     go = tmp_path / "go"
     code = (
         "import json, os, sys, time\n"
-        "from autotune.storage import ResultMetrics, StrategyKey, open_storage\n"
+        "from autotune.store.storage import ResultMetrics, StrategyKey, open_storage\n"
         "from search_spaces.strategy import Strategy\n"
         "url, score, go, old = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])\n"
         "key = StrategyKey(*json.loads(sys.argv[5]))\n"
@@ -215,7 +215,7 @@ def test_keys_are_independent(store: Storage):
 
 
 def test_failure_inside_the_transaction_leaves_nothing(store: Storage, monkeypatch):
-    import autotune.storage as storage_module
+    import autotune.store.storage as storage_module
 
     store.record(KEY, PLAIN, ResultMetrics(score=2.0))
 
@@ -265,7 +265,7 @@ def test_stored_prompts_are_bounded(store: Storage):
 
 
 def test_a_failed_record_leaves_no_prompt_rows(store: Storage, monkeypatch):
-    import autotune.storage as storage_module
+    import autotune.store.storage as storage_module
 
     store.record(KEY, PLAIN, ResultMetrics(score=2.0), prompts=["kept"])
 
@@ -403,7 +403,7 @@ def test_optuna_studies_live_in_the_same_database(store: Storage):
 def test_hardware_fingerprint_is_stable():
     import torch
 
-    from autotune.hardware import hardware_fingerprint
+    from autotune.store.hardware import hardware_fingerprint
     from runtime.errors import RuntimeUserError
 
     first = hardware_fingerprint("cpu")
@@ -415,7 +415,7 @@ def test_hardware_fingerprint_is_stable():
 # ---------------------------------------------------------------------- processes
 WORKER = """
 import json, os, random, sys, time
-from autotune.storage import ResultMetrics, StrategyKey, open_storage
+from autotune.store.storage import ResultMetrics, StrategyKey, open_storage
 from search_spaces.strategy import Strategy
 url, worker, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 key = StrategyKey(*json.loads(sys.argv[5]))
@@ -521,7 +521,7 @@ def test_sigkill_while_recording_leaves_a_consistent_store(store_url, tmp_path):
 TUNER_WORKER = r"""
 import os, sys, time
 import optuna
-from autotune.storage import open_storage
+from autotune.store.storage import open_storage
 url, worker, count, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 storage = open_storage(url)

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.cli import main
+from autotune.cli.main import main
 from autotune.errors import StorageError
-from autotune.hardware import hardware_fingerprint
-from autotune.resolve import load_strategy_file, resolve_strategy, strategy_key
-from autotune.storage import ResultMetrics, StrategyKey, open_storage
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.resolve import load_strategy_file, resolve_strategy, strategy_key
+from autotune.store.storage import ResultMetrics, StrategyKey, open_storage
 from search_spaces.errors import StrategyError
 from search_spaces.layer_plan import LayerPlan
 from search_spaces.strategy import PLAIN, SWIFT_DYNAMIC_WIDTHS, Strategy
@@ -247,7 +247,7 @@ def test_resolve_corrupt_file(tmp_path):
 
 
 def test_chosen_strategy_replaces_the_flags(url):
-    from autotune.cli import _chosen_strategy, build_parser
+    from autotune.cli.main import _chosen_strategy, build_parser
 
     args = build_parser().parse_args(
         ["generate", "--model", "smollm2-135m", "--task", "gsm8k", "--strategy", "best", "--storage", url])

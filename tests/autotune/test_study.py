@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from autotune.storage import open_storage
+from autotune.store.storage import open_storage
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
 
@@ -108,7 +108,7 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
 def test_no_flags_means_the_default_pair_on_humaneval(capsys, monkeypatch, no_model_loads):  # noqa: F811
     """`autotune study` alone tunes the packaged Qwen pair on HumanEval (seen here through the
     first model load, which the fixture turns into an error)."""
-    import autotune.cli as cli
+    import autotune.cli.main as cli
 
     seen = {}
     real = cli._prompt_items
@@ -136,7 +136,7 @@ def test_strategy_for_another_model_is_one_clear_line(capsys, tmp_path):
 
 
 def test_a_candidate_whose_output_differed_is_never_chosen():
-    from autotune.study import Check, choose_stored
+    from autotune.tuning.study import Check, choose_stored
     from runtime.stats import DecodeStats
     from search_spaces.strategy import PLAIN
 
@@ -176,7 +176,7 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
     # the tuner keeps a candidate only when it is predicted and then measured faster than plain
     # decoding (a same-size draft rarely is); what this test is about is the study's check after
     # tuning, so here plain decoding scores 0 and every measured trial wins
-    from autotune.tuner import OnlineTuner
+    from autotune.tuning.tuner import OnlineTuner
 
     def plain_scores_zero(self, decoder, tokens):
         return 0.0 if not self.incumbent.strategy.speculates else real_score(self, decoder, tokens)

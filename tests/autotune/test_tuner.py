@@ -7,11 +7,11 @@ import optuna
 import pytest
 import torch
 
-from autotune.cost_model import FixedCostModel, MeasuredCostModel
-from autotune.matchness import TOP_K, LookupMatch, Match, matchness, score_logits
-from autotune.matchness import lookup_match
-from autotune.objective import predict, predict_lookup, predict_lookup_first, replay
-from autotune.tuner import Kept, OnlineTuner, TunerSettings
+from autotune.tuning.cost_model import FixedCostModel, MeasuredCostModel
+from autotune.tuning.matchness import TOP_K, LookupMatch, Match, matchness, score_logits
+from autotune.tuning.matchness import lookup_match
+from autotune.tuning.objective import predict, predict_lookup, predict_lookup_first, replay
+from autotune.tuning.tuner import Kept, OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
@@ -169,7 +169,7 @@ def test_verify_timing_is_the_faster_of_two(target, draft, monkeypatch):
     """Before any verify round is seen, the verify costs the faster of two timed forwards: a first
     wide forward's one-time costs (or a noisy sample) would price every draft out, and no drafted
     round would ever correct it. Power check: the first timing alone is 3x too slow."""
-    import autotune.cost_model as cm
+    import autotune.tuning.cost_model as cm
 
     samples = iter([3.0, 1.0])
     monkeypatch.setattr(cm, "_timed", lambda fn, repeats, device, warm: next(samples))

@@ -25,7 +25,7 @@ def add_report_parser(sub: Any) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
 
     with open_storage(args.storage) as storage:
         optuna_storage = storage.optuna_storage()
@@ -54,14 +54,14 @@ def study_names(optuna_storage: Any, shown_url: str) -> list[str]:
 def plot_loaded(optuna_storage: Any, name: str, out_dir: Path) -> Path:
     import optuna
 
-    from autotune.plots import write_study_report
+    from autotune.reports.plots import write_study_report
 
     return write_study_report(optuna.load_study(study_name=name, storage=optuna_storage), out_dir)
 
 
 def plot_study(storage_url: str | None, name: str, out_dir: Path) -> Path:
     """Open the store at ``storage_url`` and write study ``name``'s report into ``out_dir``."""
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
 
     with open_storage(storage_url) as storage:
         return plot_loaded(storage.optuna_storage(), name, out_dir)
@@ -71,7 +71,7 @@ def write_all(optuna_storage: Any, names: Sequence[str], out_dir: Path) -> Path:
     """One sub-directory per study and an index linking them; returns the top index's path."""
     import optuna
 
-    from autotune.plots import INDEX, index_page
+    from autotune.reports.plots import INDEX, index_page
 
     dirs = safe_dir_names(names)
     summaries = {s.study_name: s for s in optuna.get_all_study_summaries(storage=optuna_storage)}

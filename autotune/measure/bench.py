@@ -169,7 +169,7 @@ def _selfspec_strategy(ctx: BenchContext) -> Strategy:
 def _uniform_strategy(ctx: BenchContext) -> Strategy:
     """What ``autotune study`` starts from before tuning (its default space's reference): EasySpec's
     default layer-parallel plan with a draft model, SWIFT's uniform skip (``--skip-ratio``) without."""
-    from autotune.study import reference_space, space_context
+    from autotune.tuning.study import reference_space, space_context
     from search_spaces.spaces import get_space, uniform_strategy
 
     space = get_space(reference_space(ctx.draft_name))
@@ -181,7 +181,7 @@ def _uniform_strategy(ctx: BenchContext) -> Strategy:
 def _tuned_strategy(ctx: BenchContext) -> Strategy:
     """The stored best for (model, draft, task, this hardware); ``tuned:task=T`` reads another task's,
     ``tuned:db=FILE`` another SQLite store's (two studies' picks side by side in one run)."""
-    from autotune.resolve import BEST, resolve_strategy, strategy_key
+    from autotune.store.resolve import BEST, resolve_strategy, strategy_key
 
     key = strategy_key(ctx.target, ctx.draft_name, ctx.options.get("task", ctx.task), ctx.pool.device)
     db = ctx.options.get("db")

@@ -44,7 +44,7 @@ def add_strategies_parser(sub: Any) -> None:
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
 
     with open_storage(args.storage) as storage:
         return ACTIONS[args.strategies_command](storage, args)

@@ -12,7 +12,7 @@ forward (``runtime.transformer.CausalLM``): the cost model's own terms, measured
 c = draft step / plain target step (Leviathan et al. 3.3). Each step is timed with
 ``torch.utils.benchmark.Timer.blocked_autorange`` after one warm-up call; the timer synchronises the
 accelerator before reading the clock, so CUDA timings are kernel time, not launch time. The KV prefix
-is zeros (timing only: its contents do not change the cost), as in ``autotune.cost_model``.
+is zeros (timing only: its contents do not change the cost), as in ``autotune.tuning.cost_model``.
 """
 from __future__ import annotations
 

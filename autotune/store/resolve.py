@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import StorageError
-from autotune.hardware import hardware_fingerprint
-from autotune.records import StrategyKey
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.records import StrategyKey
 from search_spaces.errors import StrategyError
 from search_spaces.strategy import Strategy
 
@@ -59,7 +59,7 @@ def resolve_strategy(spec: str, storage: Any, key: StrategyKey, fallback: Strate
         return fallback
     if spec != BEST:
         return load_strategy_file(spec)
-    from autotune.storage import Storage, open_storage
+    from autotune.store.storage import Storage, open_storage
 
     if isinstance(storage, Storage):
         found = storage.best(key)
@@ -89,7 +89,7 @@ def check_strategy_spec(
     if spec != BEST:
         load_strategy_file(spec)
         return
-    from autotune.storage import open_storage
+    from autotune.store.storage import open_storage
 
     with open_storage(storage_url) as storage:
         candidates = storage.list_best(task=task, draft_id=draft or "", hardware=hardware_fingerprint(device))

@@ -13,7 +13,7 @@ whose stored strategy speculates is judged (``judge``):
   one: the route's first judged figure).
 
 Either way the route **re-tunes**: its next ``retune_requests`` requests decode with the online
-tuner (``autotune.tuner``, the ``auto`` space, tuning at most ``retune_share`` of their decode
+tuner (``autotune.tuning.tuner``, the ``auto`` space, tuning at most ``retune_share`` of their decode
 time). The tuner's incumbent is plain decoding until a candidate measured faster on this route's
 tokens, so the fallback is immediate and greedy output stays plain decoding's throughout. At
 the end the tuner's pick is checked against plain decoding's measured speed on the same requests,
@@ -57,13 +57,13 @@ import optuna
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 from sklearn.preprocessing import normalize
 
-from autotune.cost_model import MeasuredCostModel
-from autotune.records import ResultMetrics, clip_prompt
-from autotune.resolve import strategy_key
-from autotune.serving.adapt_settings import PENDING_TEXTS, AdaptSettings
-from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
-from autotune.serving.routing import GENERAL_TASK
-from autotune.tuner import OnlineTuner, TunerSettings
+from autotune.tuning.cost_model import MeasuredCostModel
+from autotune.store.records import ResultMetrics, clip_prompt
+from autotune.store.resolve import strategy_key
+from autotune.serving.adaptive.settings import PENDING_TEXTS, AdaptSettings
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
+from autotune.serving.routing.book import GENERAL_TASK
+from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
@@ -255,7 +255,7 @@ class Adapter:
 
     def __init__(self, settings: AdaptSettings, pool: Any, target: Any, draft: str | None, device: str,
                  storage: Any, book: Any, metrics: Any, worker: Any) -> None:
-        from autotune.study import space_context, standby_strategies, verify_width
+        from autotune.tuning.study import space_context, standby_strategies, verify_width
         from search_spaces.spaces import get_space
 
         self.settings, self.pool, self.target, self.draft, self.device = settings, pool, target, draft, device

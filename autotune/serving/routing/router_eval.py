@@ -1,6 +1,6 @@
 """How well the task router separates real tasks: the measurement behind ``DEFAULT_ROUTE_DISTANCE``.
 
-``python -m autotune.serving.router_eval`` prints the table in docs/benchmarks.md (GSM8K from
+``python -m autotune.serving.routing.router_eval`` prints the table in docs/benchmarks.md (GSM8K from
 ``$AUTOTUNE_DATA_DIR``).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.serving.router import UNKNOWN, RouteEntry, TaskRouter
+from autotune.serving.routing.router import UNKNOWN, RouteEntry, TaskRouter
 from search_spaces.strategy import Strategy
 
 MEASURED_TASKS = ("humaneval", "gsm8k", "mt-bench")

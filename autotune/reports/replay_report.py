@@ -1,7 +1,7 @@
 """The report of an ``autotune replay`` run: figures per category and mode, the identical-output
 check across modes, a rich table, the JSON file and the tok/s-over-the-stream plot.
 
-Everything here is a pure function of :class:`autotune.replay.ReplayRecord` values (no server):
+Everything here is a pure function of :class:`autotune.measure.replay.ReplayRecord` values (no server):
 tok/s is total completion tokens / total decode time (each request's tokens over its tok/s),
 acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts),
 switches count changes of the strategy label between consecutive requests of a category, and
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from autotune.replay import ReplayRecord
+from autotune.measure.replay import ReplayRecord
 
 ALL = "all"
 """The category name of the rows over the whole stream."""
@@ -172,7 +172,7 @@ def replay_plot(records: Sequence[ReplayRecord], modes: Sequence[str], path: Pat
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from autotune.plots import DPI, _note, _save
+    from autotune.reports.plots import DPI, _note, _save
 
     fig = Figure(figsize=PLOT_SIZE, dpi=DPI)
     FigureCanvasAgg(fig)

@@ -1,7 +1,7 @@
 """``autotune study``: decode a task's prompts while tuning the strategy online, persist the best.
 
 1. Plain decoding runs first, every drafter kind of the space following the sequence on standby;
-   the online tuner (``autotune.tuner``) scores candidates between rounds, races them on fresh
+   the online tuner (``autotune.tuning.tuner``) scores candidates between rounds, races them on fresh
    windows and switches only to one that measured faster; trials go to Optuna's RDB storage (one
    study per model, draft, task, space and hardware; resumed when it exists, its best tried first).
    The default space is ``auto`` (plain / prompt lookup / the draft model or the target's own
@@ -23,11 +23,11 @@ from typing import Any
 import optuna
 from tqdm import tqdm
 
-from autotune.cost_model import MeasuredCostModel
+from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.errors import CliError
-from autotune.records import ResultMetrics, StrategyKey
-from autotune.resolve import strategy_key
-from autotune.tuner import OnlineTuner, TunerSettings
+from autotune.store.records import ResultMetrics, StrategyKey
+from autotune.store.resolve import strategy_key
+from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder

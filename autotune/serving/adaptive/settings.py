@@ -1,4 +1,4 @@
-"""Settings of adaptive serving (``autotune serve --adaptive``; see ``autotune.serving.adaptive``).
+"""Settings of adaptive serving (``autotune serve --adaptive``; see ``autotune.serving.adaptive.adaptive``).
 
 Kept apart from the machinery so the CLI reads the defaults without importing torch.
 """

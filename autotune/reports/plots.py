@@ -372,7 +372,7 @@ def _short_method(name: str) -> str:
 
 
 def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
-    """Tok/s of each bench method side by side (``autotune.bench.summarise``'s report), the speedup
+    """Tok/s of each bench method side by side (``autotune.measure.bench.summarise``'s report), the speedup
     over the baseline on each bar; methods whose output differed from the baseline are hatched red."""
     fig, ax = _figure()
     methods = report.get("methods") or {}

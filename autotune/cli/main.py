@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from autotune.errors import USER_ERRORS, CliError
-from autotune.replay import add_replay_parser, cmd_replay
-from autotune.report_cmd import add_report_parser, cmd_report
-from autotune.serving.adapt_settings import AdaptSettings as AdaptDefaults
-from autotune.strategies_cmd import add_strategies_parser, cmd_strategies
+from autotune.measure.replay import add_replay_parser, cmd_replay
+from autotune.cli.report import add_report_parser, cmd_report
+from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
+from autotune.cli.strategies import add_strategies_parser, cmd_strategies
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,8 +179,8 @@ def _add_profile_parser(sub: Any) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autotune.bench import write_report
-    from autotune.profile import ProfileSettings, format_table, run_profile
+    from autotune.measure.bench import write_report
+    from autotune.measure.profile import ProfileSettings, format_table, run_profile
 
     given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
     sizes = {k: tuple(_int_list(flag, text)) for k, (flag, text) in given.items() if text}
@@ -310,7 +310,7 @@ _STRATEGY_FLAGS = (
 
 
 def _task_name(args: argparse.Namespace) -> str:
-    from autotune.resolve import PROMPT_TASK
+    from autotune.store.resolve import PROMPT_TASK
 
     return args.task or PROMPT_TASK
 
@@ -323,7 +323,7 @@ def _check_strategy_choice(args: argparse.Namespace) -> None:
     given = [f"--{name.replace('_', '-')}" for name in _STRATEGY_FLAGS if getattr(args, name) is not None]
     if given:
         raise CliError(f"--strategy replaces the strategy flags; drop {', '.join(given)} or --strategy")
-    from autotune.resolve import check_strategy_spec
+    from autotune.store.resolve import check_strategy_spec
 
     check_strategy_spec(spec, args.storage, args.model, args.draft, _task_name(args), args.device)
 
@@ -332,7 +332,7 @@ def _chosen_strategy(args: argparse.Namespace, target: Any, built: Any) -> Any:
     spec = getattr(args, "strategy", None)
     if spec is None:
         return built
-    from autotune.resolve import resolve_strategy, strategy_key
+    from autotune.store.resolve import resolve_strategy, strategy_key
 
     key = strategy_key(target, args.draft, _task_name(args), args.device)
     return resolve_strategy(spec, args.storage, key, built)
@@ -382,7 +382,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _check_tuned_stored(args: argparse.Namespace, methods: list[Any]) -> None:
     """Method ``tuned`` needs a stored strategy: a missing one fails before any model loads."""
-    from autotune.resolve import BEST, check_strategy_spec
+    from autotune.store.resolve import BEST, check_strategy_spec
 
     for spec in methods:
         if spec.name == "tuned":
@@ -393,7 +393,7 @@ def _check_tuned_stored(args: argparse.Namespace, methods: list[Any]) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from autotune.bench import SHARED_WIDTH, BenchContext, format_table, parse_methods, run_bench, write_report
+    from autotune.measure.bench import SHARED_WIDTH, BenchContext, format_table, parse_methods, run_bench, write_report
 
     _check_common(args)
     methods = parse_methods(args.methods)
@@ -429,14 +429,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         write_report(report, args.json_out)
     if args.plot:
-        from autotune.plots import bench_plot
+        from autotune.reports.plots import bench_plot
 
         bench_plot(report, args.plot)
     return 0
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from autotune.diagnose import diagnose, format_table
+    from autotune.measure.diagnose import diagnose, format_table
     from runtime.pipeline import ModelPool
     from runtime.transformer import CausalLM
 
@@ -460,7 +460,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _study_defaults(args: argparse.Namespace) -> None:
     """No --model: the embedded default pair (and its draft unless --draft is given); no --task: humaneval."""
-    from autotune.study import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_TASK
+    from autotune.tuning.study import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_TASK
 
     if args.model is None:
         args.model, args.draft = DEFAULT_MODEL, args.draft or DEFAULT_DRAFT
@@ -468,9 +468,9 @@ def _study_defaults(args: argparse.Namespace) -> None:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from autotune.study import check_space_choice, default_space, run_study
-    from autotune.storage import open_storage
-    from autotune.tuner import TunerSettings
+    from autotune.tuning.study import check_space_choice, default_space, run_study
+    from autotune.store.storage import open_storage
+    from autotune.tuning.tuner import TunerSettings
     from runtime.pipeline import ModelPool
     from search_spaces.spaces import get_space
     from studies import routing_text
@@ -502,11 +502,11 @@ def cmd_study(args: argparse.Namespace) -> int:
         print(f"autotune: refused to store the tuned strategy: its output differed from plain decoding on "
               f"the check prompts; kept plain decoding for {args.model} / {args.task}", file=sys.stderr)
     if args.json_out:
-        from autotune.bench import write_report
+        from autotune.measure.bench import write_report
 
         write_report(report.as_dict(), args.json_out)
     if args.plot:
-        from autotune.report_cmd import plot_study
+        from autotune.cli.report import plot_study
 
         print(f"plots: {plot_study(args.storage, report.name, args.plot)}")
     return 1 if report.refused else 0

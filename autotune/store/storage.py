@@ -38,7 +38,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, OperationalError
 
 from autotune.errors import StorageError
-from autotune.records import (
+from autotune.store.records import (
     KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, STUDY_NAME_LIMIT, HistoryEntry, ResultMetrics, StoredStrategy,
     StrategyKey, bounded_prompts,
 )

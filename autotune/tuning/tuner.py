@@ -59,9 +59,9 @@ from typing import Any
 import optuna
 import torch
 
-from autotune.cost_model import CostModel
-from autotune.matchness import LookupMatch, Match, lookup_match, matchness, score_logits, usable_window
-from autotune.objective import Prediction, predict, predict_lookup, predict_lookup_first, predict_plain
+from autotune.tuning.cost_model import CostModel
+from autotune.tuning.matchness import LookupMatch, Match, lookup_match, matchness, score_logits, usable_window
+from autotune.tuning.objective import Prediction, predict, predict_lookup, predict_lookup_first, predict_plain
 from runtime.decoding import Decoder
 from runtime.drafters import ModelDrafter
 from runtime.kv_cache import KVCache

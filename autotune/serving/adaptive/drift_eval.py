@@ -9,8 +9,8 @@ early). Each request's drafted / accepted counts go through the server's own rul
 no false alarm on any in-distribution sequence; the table shows when the shifted sequences are
 caught at each drop.
 
-    python -m autotune.serving.drift_eval --model smollm2-135m
-    python -m autotune.serving.drift_eval --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python -m autotune.serving.adaptive.drift_eval --model smollm2-135m
+    python -m autotune.serving.adaptive.drift_eval --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.serving.adapt_settings import AdaptSettings
-from autotune.serving.adaptive import RouteHealth, judge
+from autotune.serving.adaptive.settings import AdaptSettings
+from autotune.serving.adaptive.adaptive import RouteHealth, judge
 from runtime.stats import DecodeStats
 from search_spaces.strategy import Strategy
 

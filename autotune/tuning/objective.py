@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.cost_model import CostModel
-from autotune.matchness import TOP_K, LookupMatch, Match
+from autotune.tuning.cost_model import CostModel
+from autotune.tuning.matchness import TOP_K, LookupMatch, Match
 from runtime.drafters import tree_shape
 from search_spaces.strategy import Strategy
 

@@ -12,7 +12,7 @@ distances all measured no better on the protocol below (0.70-0.80), and n-grams 
 The default threshold was measured, not chosen: fit on the first 20 prompts of two of HumanEval,
 GSM8K and MT-Bench, route the next 60 of all three (those of the third task should be "unknown"),
 every pair; 0.65 routed 0.811 of the 540 decisions as expected, the only maximum on a 0.01 grid
-(``autotune.serving.router_eval``; the table is in docs/benchmarks.md). Code and maths prompts
+(``autotune.serving.routing.router_eval``; the table is in docs/benchmarks.md). Code and maths prompts
 route reliably; most MT-Bench questions go to "unknown" (the safe side).
 
 Entries without prompts (results recorded before prompts were stored, or by code that stored none)
@@ -30,13 +30,13 @@ import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.preprocessing import normalize
 
-from autotune.records import clip_prompt
+from autotune.store.records import clip_prompt
 from search_spaces.strategy import Strategy
 
 __all__ = ["DEFAULT_ROUTE_DISTANCE", "UNKNOWN", "RouteDecision", "RouteEntry", "TaskRouter", "centroids",
            "make_vectorizer"]
 
-DEFAULT_ROUTE_DISTANCE = 0.65  # measured: autotune.serving.router_eval
+DEFAULT_ROUTE_DISTANCE = 0.65  # measured: autotune.serving.routing.router_eval
 UNKNOWN = "unknown"
 TOKEN_PATTERN = r"(?u)\b\w+\b|[^\w\s]"  # words (any length) and single punctuation marks: code, math, prose
 

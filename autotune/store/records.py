@@ -1,6 +1,6 @@
 """The values the strategy store reads and writes: keys, result metrics, stored rows.
 
-Frozen and validated on construction (errors name the field); the store is ``autotune.storage``.
+Frozen and validated on construction (errors name the field); the store is ``autotune.store.storage``.
 """
 from __future__ import annotations
 

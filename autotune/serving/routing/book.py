@@ -1,7 +1,7 @@
 """Which strategy each request decodes with: the override, or the route of its prompt.
 
 The book holds the stored best strategies of the served model / draft / hardware and a router
-fitted on the prompts each was tuned on (``autotune.serving.router``). ``auto`` routes a request
+fitted on the prompts each was tuned on (``autotune.serving.routing.router``). ``auto`` routes a request
 to the nearest task's strategy; a request far from every task is the route ``unknown``, which
 decodes plainly unless the store holds a strategy for the task ``prompts`` (ad-hoc, general
 prompts: ``autotune study --task prompts --data FILE``), the measured general-purpose choice.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from autotune.hardware import hardware_fingerprint
-from autotune.resolve import PROMPT_TASK
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.resolve import PROMPT_TASK
 from autotune.serving.protocol import ApiError
-from autotune.serving.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteEntry, TaskRouter
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteEntry, TaskRouter
 from autotune.serving.worker import Choice
 from search_spaces.errors import StrategyError
 from search_spaces.strategy import PLAIN, Strategy

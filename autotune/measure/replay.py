@@ -3,7 +3,7 @@
 Every request of the stream is sent once per mode (``auto``, ``plain``, ``default`` or a stored
 strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
 (request 0 in every mode, then request 1, ...) so the modes see the same server state, greedily
-(temperature 0) with the completion's token ids returned. :mod:`autotune.replay_report` turns the
+(temperature 0) with the completion's token ids returned. :mod:`autotune.reports.replay_report` turns the
 records into the per-category report; the outputs must be identical across modes (exit status 1
 when any differ). Only the server does model work: this is an HTTP client (``httpx``).
 """
@@ -297,7 +297,7 @@ class Progress:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from autotune.replay_report import aggregate, format_table, write_json
+    from autotune.reports.replay_report import aggregate, format_table, write_json
 
     given = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "timeout_s": args.timeout}
     settings = ReplaySettings(url=args.url, model=args.model, modes=parse_modes(args.mode),
@@ -317,7 +317,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(report, records, args.json_out)
     if args.plot:
-        from autotune.replay_report import replay_plot
+        from autotune.reports.replay_report import replay_plot
 
         print(f"plot: {replay_plot(records, settings.modes, args.plot)}")
     return 1 if report["identical"]["differ"] else 0

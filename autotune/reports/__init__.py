@@ -1,0 +1,1 @@
+"""Pictures and reports: data in, PNG / HTML / tables out."""

@@ -1,0 +1,1 @@
+"""Adaptive serving: drift per route, plain fallback, re-tuning on live traffic, new routes."""

@@ -1,0 +1,1 @@
+"""Routing: the task router (TF-IDF, nearest centroid), the strategy book, the router's measurement."""
