@@ -1,6 +1,7 @@
 """Executes decoding: model adapters, KV cache, drafters, sampling math, the decode loop."""
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
-from runtime.drafters import Draft, Drafter, ModelDrafter, TreeShape
+from runtime.draft import Draft, Drafter
+from runtime.drafters import ModelDrafter, TreeShape
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.lookup import PromptLookupDrafter

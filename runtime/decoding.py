@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.drafters import Draft, Drafter
+from runtime.draft import Draft, Drafter
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample

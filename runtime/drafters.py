@@ -1,51 +1,21 @@
-"""Drafters propose tokens; the target verifies them (HF candidate-generator style protocol)."""
+"""Drafting models (a draft model, or the target skipping layers) and the tree shapes they draft;
+the contract they implement (``Draft``, ``Drafter``) is ``runtime.draft``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from runtime.draft import Draft
 from runtime.kv_cache import KVCache
+from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
 from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy, tree_node_bound
-
-
-@dataclass
-class Draft:
-    """Draft tokens as a tree: node i has parent ``parents[i]`` (-1 = the last committed token).
-    ``parents=None`` means a chain. ``q[i]`` is the distribution node i was drawn from; ``q=None``
-    means deterministic proposals (verified as one-hot)."""
-
-    tokens: torch.Tensor  # [N] long
-    q: torch.Tensor | None  # [N, V]
-    parents: tuple[int, ...] | None = None
-
-    @property
-    def is_chain(self) -> bool:
-        return self.parents is None or all(p == i - 1 for i, p in enumerate(self.parents))
-
-
-class Drafter(Protocol):
-    """``begin`` once per prompt, then per round ``propose`` and ``observe`` the outcome:
-    ``path`` lists the accepted node indices (for chains, ``range(n_accepted)``) and
-    ``new_tokens`` are the tokens appended to the sequence (accepted drafts + the next token)."""
-
-    def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None: ...
-
-    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
-
-    def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None: ...
-
-    def reconfigure(self, strategy: Strategy) -> None:
-        """Draft as ``strategy`` says from the next round on, keeping what was learned of the
-        sequence (caches, n-gram index): how a decoder switches strategies while decoding."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -122,8 +92,6 @@ class ModelDrafter:
         self, model: CausalLM, target_vocab: int, shape: TreeShape | None = None,
         plan: LayerPlan | None = None, calibrate: bool = True, lookup_first: bool = False,
     ) -> None:
-        from runtime.lookup import PromptLookupDrafter  # it imports Draft from here
-
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, max_ngram=LOOKUP_FIRST_MIN_NGRAM)
         self.lookup_first = lookup_first

@@ -26,7 +26,6 @@ from search_spaces.layer_plan import LayerPlan
 
 if TYPE_CHECKING:
     from runtime.kv_cache import KVCache
-    from runtime.transformer import CausalLM
 
 
 @dataclass
@@ -60,6 +59,31 @@ class CompiledPlan:
     blocks: list[Block]
 
 
+class BlockDims(Protocol):
+    """The shapes :func:`batched_group` needs (``runtime.transformer.ModelDims`` has them)."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+class BlockModel(Protocol):
+    """The block model a layer plan runs on: its decoder layers (HF modules, for the norms), their
+    linears, one attention and one MLP sub-layer, the attention scale and an optional recorder.
+    ``runtime.transformer.CausalLM`` is one; this module depends on the contract, not on it."""
+
+    dims: BlockDims
+    layers: Any  # indexable: layer i's HF module (input_layernorm, post_attention_layernorm, self_attn)
+    linears: Any  # indexable: layer i's {name: Linear}
+    scale: float
+    recorder: "Recorder | None"
+
+    def attention(self, lin: dict[str, Any], x: torch.Tensor, li: int, a: "AttnInputs") -> torch.Tensor: ...
+
+    def mlp(self, lin: dict[str, Any], layer: Any, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def check_plan_fits(plan: LayerPlan, n_layers: int, what: str = "model") -> None:
     if plan.n_layers != n_layers:
         raise RuntimeUserError(
@@ -68,7 +92,7 @@ def check_plan_fits(plan: LayerPlan, n_layers: int, what: str = "model") -> None
         )
 
 
-def compile_plan(lm: "CausalLM", plan: LayerPlan) -> CompiledPlan:
+def compile_plan(lm: "BlockModel", plan: LayerPlan) -> CompiledPlan:
     check_plan_fits(plan, lm.dims.n_layers)
     skip = set(plan.skip_attn)
     blocks = []
@@ -79,7 +103,7 @@ def compile_plan(lm: "CausalLM", plan: LayerPlan) -> CompiledPlan:
     return CompiledPlan(plan, blocks)
 
 
-def _stack(lm: "CausalLM", members: tuple[int, ...]) -> GroupWeights:
+def _stack(lm: "BlockModel", members: tuple[int, ...]) -> GroupWeights:
     attns = [lm.layers[li].self_attn for li in members]
     norms = [lm.layers[li].input_layernorm for li in members]
 
@@ -141,10 +165,10 @@ class Recorder(Protocol):
     def attn(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
-GroupExecutor = Callable[["CausalLM", GroupWeights, torch.Tensor, AttnInputs], dict[int, torch.Tensor]]
+GroupExecutor = Callable[["BlockModel", GroupWeights, torch.Tensor, AttnInputs], dict[int, torch.Tensor]]
 
 
-def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
+def loop_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """Reference: each member's attention on the group input, one after another."""
     return {
         li: lm.attention(lm.linears[li], lm.layers[li].input_layernorm(h1), li, a)
@@ -152,7 +176,7 @@ def loop_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs)
     }
 
 
-def batched_group(lm: "CausalLM", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
+def batched_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """All members' attention in one batched computation over stacked weights."""
     d = lm.dims
     n, t = len(g.members), h1.shape[0]
@@ -209,7 +233,7 @@ GROUP_EXECUTORS: dict[str, GroupExecutor] = {
 
 
 def run_blocks(
-    lm: "CausalLM", cp: CompiledPlan, h: torch.Tensor, a: AttnInputs, executor: str = "batched"
+    lm: "BlockModel", cp: CompiledPlan, h: torch.Tensor, a: AttnInputs, executor: str = "batched"
 ) -> torch.Tensor:
     """The decoder layers of ``lm`` under a compiled plan: ``h`` ``[T, H]`` in, ``[T, H]`` out."""
     plan = cp.plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.drafters import Draft
+from runtime.draft import Draft
 from runtime.sampling import SamplingParams
 
 

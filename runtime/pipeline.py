@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.decoding import Decoder
-from runtime.drafters import Drafter, ModelDrafter, SelfDrafter, tree_shape
+from runtime.draft import Drafter
+from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available

@@ -4,12 +4,10 @@ Any SQLAlchemy URL works (``sqlite:///PATH`` by default, ``postgresql://USER@HOS
 Our tables carry the prefix ``autotune_``; Optuna keeps its studies and trials in its own tables of
 the same database (``Storage.optuna_storage()``), so ``optuna-dashboard URL`` shows the tuning runs.
 
-- ``autotune_best``: one row per ``StrategyKey`` (model id + revision, draft id, task, hardware):
-  the strategy JSON with the highest ``score`` recorded for the key and its metrics.
-- ``autotune_history``: every result ever recorded (append only).
-- ``autotune_prompts``: the prompts a result was tuned on (its routing texts, in order; at most
-  ``PROMPTS_PER_RECORD``, each clipped to ``PROMPT_CHARS``), by history row: what the server's task
-  router is fitted on (``Storage.routes``).
+The tables (``autotune.store.schema``): ``autotune_best`` (one best row per ``StrategyKey``),
+``autotune_history`` (every result, append only) and ``autotune_prompts`` (the routing texts a
+result was tuned on: what the server's task router is fitted on, ``Storage.routes``). Opening a
+database (URLs, drivers, SQLite's set-up) is ``autotune.store.engine``.
 
 Each ``record`` is one transaction (history row + prompt rows + best row, or nothing: a crash never
 leaves a half-written strategy). A database created before ``autotune_prompts`` existed gains the
@@ -20,27 +18,28 @@ PostgreSQL the best row is offered with ``INSERT .. ON CONFLICT DO NOTHING`` and
 """
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import (
-    Column, DateTime, Float, Index, Integer, MetaData, String, Table, Text, UniqueConstraint, and_, create_engine,
-    delete, event, insert, or_, select, update,
-)
-from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError, OperationalError
+from sqlalchemy import delete, insert, or_, select, update
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from autotune.errors import StorageError
+from autotune.store.engine import (
+    ENV_STORAGE, WRITE, default_storage_url, engine_kwargs, first_line, make_engine, transient,
+)
 from autotune.store.records import (
-    KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, STUDY_NAME_LIMIT, HistoryEntry, ResultMetrics, StoredStrategy,
-    StrategyKey, bounded_prompts,
+    KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, HistoryEntry, ResultMetrics, StoredStrategy, StrategyKey,
+    bounded_prompts,
+)
+from autotune.store.schema import (
+    best_table, entry_from_row, history_table, key_match, metadata, prompts_table, scope, stored_from_row, utcnow,
 )
 from search_spaces.strategy import Strategy
 
@@ -49,93 +48,8 @@ __all__ = [
     "default_storage_url", "open_storage",
 ]
 
-ENV_STORAGE = "AUTOTUNE_STORAGE"  # overrides the default SQLite file
-SQLITE_TIMEOUT_S = 30.0  # how long a writer waits for another process's write lock
-CONNECT_TIMEOUT_S = 10  # how long to wait for a database server before giving up
 WRITE_ATTEMPTS = 8  # retries of a write transaction that failed on a lock or serialization conflict
-_WRITE = "autotune_write"  # connection execution option: this transaction writes
 _PG_DDL_LOCK = 7_301_771_402  # advisory lock id serialising CREATE TABLE on PostgreSQL
-
-metadata = MetaData()
-
-
-def _key_columns() -> list[Column]:
-    return [Column(name, String(limit), nullable=False) for name, limit in KEY_LIMITS.items()]
-
-
-best_table = Table(
-    "autotune_best", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    *_key_columns(),
-    Column("strategy", Text, nullable=False),
-    Column("score", Float, nullable=False),
-    Column("measured_tps", Float),
-    Column("predicted_tps", Float),
-    Column("acceptance", Float),
-    Column("study_name", String(STUDY_NAME_LIMIT)),
-    Column("history_id", Integer, nullable=False),  # the autotune_history row this best came from
-    Column("updated_at", DateTime, nullable=False),  # UTC
-    UniqueConstraint(*KEY_LIMITS, name="uq_autotune_best_key"),
-)
-
-history_table = Table(
-    "autotune_history", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    *_key_columns(),
-    Column("recorded_at", DateTime, nullable=False),  # UTC
-    Column("strategy", Text, nullable=False),
-    Column("score", Float, nullable=False),
-    Column("measured_tps", Float),
-    Column("predicted_tps", Float),
-    Column("acceptance", Float),
-    Column("speedup", Float),
-    Column("tuning_share", Float),
-    Column("study_name", String(STUDY_NAME_LIMIT)),
-    Index("ix_autotune_history_key", *KEY_LIMITS),
-)
-
-prompts_table = Table(
-    "autotune_prompts", metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("history_id", Integer, nullable=False, index=True),  # the autotune_history row it was tuned for
-    Column("position", Integer, nullable=False),  # order within the record
-    Column("text", Text, nullable=False),
-)
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
-
-
-def _row_key(row: Any) -> StrategyKey:
-    return StrategyKey(**{name: getattr(row, name) for name in KEY_LIMITS})
-
-
-def _stored(row: Any) -> StoredStrategy:
-    return StoredStrategy(
-        id=row.id, key=_row_key(row), strategy_json=row.strategy, score=row.score, measured_tps=row.measured_tps,
-        predicted_tps=row.predicted_tps, acceptance=row.acceptance, study_name=row.study_name,
-        history_id=row.history_id, updated_at=row.updated_at.replace(tzinfo=timezone.utc),
-    )
-
-
-def _entry(row: Any) -> HistoryEntry:
-    return HistoryEntry(
-        id=row.id, key=_row_key(row), recorded_at=row.recorded_at.replace(tzinfo=timezone.utc),
-        strategy_json=row.strategy, score=row.score, measured_tps=row.measured_tps, predicted_tps=row.predicted_tps,
-        acceptance=row.acceptance, speedup=row.speedup, tuning_share=row.tuning_share, study_name=row.study_name,
-    )
-
-
-def _key_match(table: Table, key: StrategyKey) -> Any:
-    return and_(*(table.c[name] == value for name, value in key.as_row().items()))
-
-
-def _scope(table: Table, model_id: str, model_revision: str, draft_id: str, hardware: str) -> Any:
-    """Rows of one model / draft / hardware, any task."""
-    values = dict(model_id=model_id, model_revision=model_revision, draft_id=draft_id, hardware=hardware)
-    return and_(*(table.c[name] == value for name, value in values.items()))
-
 
 T = TypeVar("T")
 
@@ -183,7 +97,7 @@ class Storage:
         texts = bounded_prompts(prompts)
 
         def work(conn: Connection) -> int:
-            now = _utcnow()
+            now = utcnow()
             row = {**key.as_row(), **metrics.as_row()}
             history_id = conn.execute(
                 insert(history_table).values(**row, recorded_at=now, strategy=text)
@@ -203,12 +117,12 @@ class Storage:
 
     # ------------------------------------------------------------------ reads
     def best(self, key: StrategyKey) -> StoredStrategy | None:
-        row = self._read(lambda conn: conn.execute(select(best_table).where(_key_match(best_table, key))).first())
-        return None if row is None else _stored(row)
+        row = self._read(lambda conn: conn.execute(select(best_table).where(key_match(best_table, key))).first())
+        return None if row is None else stored_from_row(row)
 
     def get(self, best_id: int) -> StoredStrategy | None:
         row = self._read(lambda conn: conn.execute(select(best_table).where(best_table.c.id == best_id)).first())
-        return None if row is None else _stored(row)
+        return None if row is None else stored_from_row(row)
 
     def list_best(self, **filters: str) -> list[StoredStrategy]:
         """All best rows (by id), optionally only those whose key columns equal ``filters``."""
@@ -216,12 +130,12 @@ class Storage:
         if unknown:
             raise TypeError(f"unknown key column(s) {unknown}; known: {list(KEY_LIMITS)}")
         query = select(best_table).where(*(best_table.c[k] == v for k, v in filters.items())).order_by(best_table.c.id)
-        return [_stored(row) for row in self._read(lambda conn: conn.execute(query).all())]
+        return [stored_from_row(row) for row in self._read(lambda conn: conn.execute(query).all())]
 
     def history(self, key: StrategyKey) -> list[HistoryEntry]:
         """Every result recorded for ``key``, oldest first."""
-        query = select(history_table).where(_key_match(history_table, key)).order_by(history_table.c.id)
-        return [_entry(row) for row in self._read(lambda conn: conn.execute(query).all())]
+        query = select(history_table).where(key_match(history_table, key)).order_by(history_table.c.id)
+        return [entry_from_row(row) for row in self._read(lambda conn: conn.execute(query).all())]
 
     def prompts(self, history_id: int) -> list[str]:
         """The prompts recorded with history row ``history_id``, in order (empty when none were)."""
@@ -233,10 +147,11 @@ class Storage:
     ) -> list[tuple[StoredStrategy, list[str]]]:
         """Every best row of this model / draft / hardware (any task, by id), each with the prompts
         of the history row it came from: what a task router is fitted on. One transaction."""
-        scope = _scope(best_table, model_id, model_revision, draft_id, hardware)
+        of_scope = scope(best_table, model_id, model_revision, draft_id, hardware)
 
         def work(conn: Connection) -> list[tuple[StoredStrategy, list[str]]]:
-            bests = [_stored(row) for row in conn.execute(select(best_table).where(scope).order_by(best_table.c.id))]
+            rows = conn.execute(select(best_table).where(of_scope).order_by(best_table.c.id))
+            bests = [stored_from_row(row) for row in rows]
             texts: dict[int, list[str]] = {b.history_id: [] for b in bests}
             if texts:
                 query = select(prompts_table.c.history_id, prompts_table.c.text).where(
@@ -251,8 +166,8 @@ class Storage:
     def version(self, model_id: str, model_revision: str, draft_id: str, hardware: str) -> tuple[tuple[int, int], ...]:
         """A cheap fingerprint of this model / draft / hardware's best rows, to compare for
         equality: it changes whenever a best row is added, replaced (a new history row) or deleted."""
-        scope = _scope(best_table, model_id, model_revision, draft_id, hardware)
-        query = select(best_table.c.id, best_table.c.history_id).where(scope).order_by(best_table.c.id)
+        of_scope = scope(best_table, model_id, model_revision, draft_id, hardware)
+        query = select(best_table.c.id, best_table.c.history_id).where(of_scope).order_by(best_table.c.id)
         return tuple((int(i), int(h)) for i, h in self._read(lambda conn: conn.execute(query).all()))
 
     def optuna_storage(self) -> Any:
@@ -261,12 +176,12 @@ class Storage:
 
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return optuna.storages.RDBStorage(url=self.url, engine_kwargs=_engine_kwargs(self._engine.url))
+                return optuna.storages.RDBStorage(url=self.url, engine_kwargs=engine_kwargs(self._engine.url))
             except DBAPIError as exc:
                 # two processes opening a new database at once race to create Optuna's tables; the
                 # loser sees "already exists", a duplicate type or a lock, and finds them on the next try
                 if attempt + 1 == WRITE_ATTEMPTS:
-                    raise StorageError(f"storage {self.display_url}: cannot open Optuna's tables: {_first_line(exc)}") from exc
+                    raise StorageError(f"storage {self.display_url}: cannot open Optuna's tables: {first_line(exc)}") from exc
                 time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
         raise AssertionError("unreachable")
 
@@ -282,7 +197,7 @@ class Storage:
             try:
                 with self._db_errors(retryable=attempt + 1 < WRITE_ATTEMPTS):
                     with self._engine.connect() as conn:
-                        conn.execution_options(**{_WRITE: True})
+                        conn.execution_options(**{WRITE: True})
                         with conn.begin():
                             return work(conn)
             except _Retry:
@@ -304,9 +219,9 @@ class Storage:
         try:
             yield
         except DBAPIError as exc:
-            if retryable and _transient(exc):
+            if retryable and transient(exc):
                 raise _Retry() from exc
-            raise StorageError(f"storage {self.display_url} failed: {_first_line(exc)}") from exc
+            raise StorageError(f"storage {self.display_url} failed: {first_line(exc)}") from exc
 
 
 class _Retry(Exception):
@@ -329,75 +244,30 @@ def _offer_best(
         if conn.execute(stmt.on_conflict_do_nothing(index_elements=list(KEY_LIMITS))).rowcount == 1:
             return
     else:  # generic: lock the row; a concurrent first insert fails the unique key and is retried
-        found = conn.execute(select(best_table.c.id).where(_key_match(best_table, key)).with_for_update()).first()
+        found = conn.execute(select(best_table.c.id).where(key_match(best_table, key)).with_for_update()).first()
         if found is None:
             conn.execute(insert(best_table).values(**key.as_row(), **values))
             return
     better = best_table.c.score < metrics.score
     if supersedes is not None:
         better = or_(better, best_table.c.history_id == supersedes)
-    conn.execute(update(best_table).where(_key_match(best_table, key), better).values(**values))
-
-
-def _transient(exc: DBAPIError) -> bool:
-    """Lock timeouts (SQLite), serialization failures and deadlocks (PostgreSQL), duplicate first inserts."""
-    if isinstance(exc, IntegrityError):
-        return True
-    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-    if code in ("40001", "40P01"):
-        return True
-    message = str(exc.orig).lower()
-    return isinstance(exc, OperationalError) and ("database is locked" in message or "database is busy" in message)
-
-
-def _first_line(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None) or exc
-    lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
-    return lines[0] if lines else type(orig).__name__
+    conn.execute(update(best_table).where(key_match(best_table, key), better).values(**values))
 
 
 # ---------------------------------------------------------------------- opening
-def default_storage_url() -> str:
-    """``$AUTOTUNE_STORAGE``, else a SQLite file in the user data directory (created)."""
-    env = os.environ.get(ENV_STORAGE)
-    if env:
-        return env
-    from platformdirs import user_data_dir
-
-    folder = Path(user_data_dir("autotune"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return URL.create("sqlite", database=str(folder / "autotune.db")).render_as_string()
-
-
 def open_storage(url: str | None = None) -> Storage:
     """Connect to ``url`` (default: ``default_storage_url()``) and create our tables if missing.
 
     Raises ``StorageError`` for a malformed URL, an unknown or missing driver, or a database that
     cannot be reached or opened.
     """
-    text = default_storage_url() if url is None else url
-    parsed = _parse_url(text)
-    shown = make_url(text).render_as_string(hide_password=True)  # as the user wrote it
-    try:
-        engine = create_engine(parsed, **_engine_kwargs(parsed))
-    except NoSuchModuleError:
-        raise StorageError(
-            f"unknown database driver '{parsed.drivername}' in storage URL {shown}; "
-            "use sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DB"
-        ) from None
-    except ImportError as exc:
-        raise StorageError(
-            f"the Python driver for '{parsed.drivername}' is not installed ({exc.name or exc}); install it, "
-            "e.g. pip install 'psycopg[binary]' for postgresql"
-        ) from None
-    if engine.dialect.name == "sqlite":
-        _configure_sqlite(engine)
+    engine, shown = make_engine(default_storage_url() if url is None else url)
     storage = Storage(engine)
     try:
         storage.create_tables()
     except StorageError as exc:
         engine.dispose()
-        cause = _first_line(exc.__cause__) if exc.__cause__ else str(exc)
+        cause = first_line(exc.__cause__) if exc.__cause__ else str(exc)
         hint = (
             "check that the file's directory exists and is writable" if engine.dialect.name == "sqlite"
             else "check that the server is running and the URL is right"
@@ -407,40 +277,3 @@ def open_storage(url: str | None = None) -> Storage:
             f"or leave out --storage (and ${ENV_STORAGE}) to use the local SQLite file"
         ) from None
     return storage
-
-
-def _parse_url(text: str) -> URL:
-    example = "e.g. sqlite:////abs/path/autotune.db or postgresql://user:password@host:5432/db"
-    try:
-        parsed = make_url(text)
-    except (ArgumentError, ValueError) as exc:
-        raise StorageError(f"storage URL {text!r} is malformed ({exc}); use a SQLAlchemy URL, {example}") from None
-    if parsed.drivername == "postgresql" and importlib.util.find_spec("psycopg2") is None:
-        if importlib.util.find_spec("psycopg") is not None:  # SQLAlchemy 2.0 defaults to psycopg2
-            parsed = parsed.set(drivername="postgresql+psycopg")
-    return parsed
-
-
-def _engine_kwargs(url: URL) -> dict[str, Any]:
-    if url.get_backend_name() == "sqlite":
-        return {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
-    if url.get_backend_name() == "postgresql":
-        return {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
-    return {"pool_pre_ping": True}
-
-
-def _configure_sqlite(engine: Engine) -> None:
-    """WAL (readers never block the writer), a busy timeout, and SQLAlchemy-controlled BEGIN:
-    ``BEGIN IMMEDIATE`` for writes so two writers queue instead of failing mid-transaction."""
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
-        cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")

@@ -1,0 +1,175 @@
+"""The project's import graph: no cycles (module-level, lazy and TYPE_CHECKING imports alike) and
+dependencies that point one way: ``autotune -> {runtime, search_spaces, studies}``,
+``runtime -> search_spaces``, ``search_spaces`` and ``studies`` on their own (DESIGN.md, Layout)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("autotune", "runtime", "search_spaces", "studies")
+# which of the project's top-level packages each one may import (itself always)
+ALLOWED = {
+    "autotune": {"runtime", "search_spaces", "studies"},
+    "runtime": {"search_spaces"},
+    "search_spaces": set(),
+    "studies": set(),
+}
+
+
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the project's packages."""
+    mods = {}
+    for pkg in PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = f
+    return mods
+
+
+def _imported(module: str, is_package: bool, tree: ast.AST) -> set[str]:
+    """Every name ``module`` imports, anywhere in it (``from X import Y`` yields X and X.Y)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a submodule import does not count its parent
+    packages: Python runs a package's ``__init__`` before its submodules, never in a loop)."""
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        found = _imported(name, path.name == "__init__.py", tree)
+        graph[name] = {m for m in found if m in mods and m != name}
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    return sorted(cycles)
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` edges whose top-level packages ``ALLOWED`` does not permit."""
+    bad = []
+    for src, deps in sorted(graph.items()):
+        top = src.split(".")[0]
+        for dst in sorted(deps):
+            other = dst.split(".")[0]
+            if other != top and other not in ALLOWED[top]:
+                bad.append(f"{src} -> {dst}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(project_modules())
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    assert find_cycles(graph) == []
+
+
+def test_dependencies_point_one_way(graph: dict[str, set[str]]) -> None:
+    assert layering_violations(graph) == []
+
+
+def test_the_graph_sees_the_project(graph: dict[str, set[str]]) -> None:
+    """The walk found the packages and their edges (an empty graph would pass everything)."""
+    assert {"autotune.tuning.tuner", "runtime.decoding", "search_spaces.strategy", "studies.tasks"} <= set(graph)
+    assert "runtime.draft" in graph["runtime.decoding"]
+    assert "search_spaces.strategy" in graph["autotune.tuning.tuner"]
+
+
+def _write(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return project_modules(root)
+
+
+def test_a_cycle_is_found_even_through_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """Power check: the walk fails on the cycles the project once had (a lazy import inside a
+    function, a relative import, a TYPE_CHECKING import)."""
+    mods = _write(tmp_path, {
+        "runtime/__init__.py": "",
+        "runtime/drafters.py": "def f():\n    from runtime.lookup import L\n",
+        "runtime/lookup.py": "from .drafters import f\n",
+        "runtime/layer_exec.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.transformer import C\n",
+        "runtime/transformer.py": "import runtime.layer_exec\n",
+        "autotune/__init__.py": "", "search_spaces/__init__.py": "", "studies/__init__.py": "",
+    })
+    assert find_cycles(import_graph(mods)) == [
+        ["runtime.drafters", "runtime.lookup"], ["runtime.layer_exec", "runtime.transformer"],
+    ]
+
+
+@pytest.mark.parametrize("src, text", [
+    ("runtime/x.py", "from autotune.tuning import tuner\n"),
+    ("search_spaces/x.py", "def f():\n    import runtime.decoding\n"),
+    ("studies/x.py", "from autotune import errors\n"),
+])
+def test_an_import_against_the_layering_is_found(tmp_path: Path, src: str, text: str) -> None:
+    """Power check: ``runtime`` importing ``autotune``, ``search_spaces`` importing ``runtime``
+    (even lazily) and ``studies`` importing ``autotune`` are each reported."""
+    mods = _write(tmp_path, {
+        "autotune/__init__.py": "", "autotune/errors.py": "", "autotune/tuning/__init__.py": "",
+        "autotune/tuning/tuner.py": "", "runtime/__init__.py": "", "runtime/decoding.py": "",
+        "search_spaces/__init__.py": "", "studies/__init__.py": "", src: text,
+    })
+    module = src[:-3].replace("/", ".")
+    found = layering_violations(import_graph(mods))
+    assert found and all(v.startswith(f"{module} -> ") for v in found)
