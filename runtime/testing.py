@@ -1,6 +1,6 @@
 """Tiny random-weight models for checks that run without packaged weights (tests, torchrun scripts).
 
-``tests/conftest.py`` re-exports it, so the tests and scripts under ``runtime`` build the same models.
+The tests and the scripts under ``runtime`` import them from here, so they build the same models.
 """
 from __future__ import annotations
 
@@ -32,3 +32,16 @@ def tiny_model(
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpen)
     return model.eval()
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A draft that mostly agrees with the target: its weights plus noise (greedy tests only; the
+    distribution tests use independently seeded drafts)."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+    return draft

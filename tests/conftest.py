@@ -7,22 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.testing import tiny_model  # noqa: F401  (tests import it from here)
+from runtime.testing import tiny_model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    """A draft that mostly agrees with the target: its weights plus noise (greedy tests only; the
-    distribution tests use independently seeded drafts)."""
-    import copy
-
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
-    return draft
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autotune.cli.args import add_model_args, add_prompt_args  # noqa: E402
 from autotune.tuning.study import space_context, standby_strategies, verify_width  # noqa: E402
 from runtime.decoding import GenerationConfig  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
@@ -24,11 +25,10 @@ from studies.encode import encode_prompt  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--task", default="mt-bench")
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    add_model_args(ap, ["model", "draft"], model={"required": False, "default": "qwen2.5-coder-1.5b"},
+                   draft={"default": "qwen2.5-coder-0.5b"})
+    add_prompt_args(ap, ["task", "limit", "max_new_tokens"], task={"default": "mt-bench"}, limit={"default": 4},
+                    max_new_tokens={"default": 96})
     ap.add_argument("--passes", type=int, default=2)
     args = ap.parse_args()
 

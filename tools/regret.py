@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autotune.cli.args import add_model_args, add_prompt_args  # noqa: E402
 from autotune.store.storage import open_storage  # noqa: E402
 from autotune.tuning.study import run_study, space_context, verify_width  # noqa: E402
 from autotune.tuning.tuner import TunerSettings  # noqa: E402
@@ -42,12 +43,11 @@ def label(s) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--task", default="humaneval")
+    add_model_args(ap, ["model", "draft"], model={"required": False, "default": "qwen2.5-coder-1.5b"},
+                   draft={"default": "qwen2.5-coder-0.5b"})
+    add_prompt_args(ap, ["task"], task={"default": "humaneval"})
     ap.add_argument("--study-limit", type=int, default=5)
-    ap.add_argument("--limit", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    add_prompt_args(ap, ["limit", "max_new_tokens"], limit={"default": 2}, max_new_tokens={"default": 96})
     ap.add_argument("--json", dest="json_out", type=Path)
     args = ap.parse_args()
 

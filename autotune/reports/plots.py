@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-FIGSIZE = (7.0, 4.0)  # inches; with DPI, ~700x400 px PNGs small enough to commit to docs/
-DPI = 100
+from autotune.reports.figure import new_figure, note, save_figure
+
 INDEX = "index.html"
 MIN_SLOTS = 6  # bar charts keep room for this many bars, so one bar is not a wall
 SAMPLERS = {  # trial user attr "sampler" -> (legend label, marker, colour); missing -> "random"
@@ -31,25 +28,6 @@ SAMPLERS = {  # trial user attr "sampler" -> (legend label, marker, colour); mis
     "enqueued": ("enqueued (start)", "s", "tab:green"),
     "sweep": ("grid sweep (raced)", "D", "tab:purple"),
 }
-
-
-# ---------------------------------------------------------------------- figure helpers
-def _figure() -> tuple[Figure, Axes]:
-    fig = Figure(figsize=FIGSIZE, dpi=DPI)
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
-
-
-def _save(fig: Figure, path: Path | str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI, format="png")
-    return path
-
-
-def _note(ax: Axes, text: str) -> None:
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4", wrap=True)
 
 
 def strategy_label(strategy: dict[str, Any]) -> str:
@@ -67,7 +45,7 @@ def tuning_curve(trials: Sequence[Any], kept: Sequence[dict[str, Any]], path: Pa
     marked (trial user attr ``switched``, the trials of ``kept``, and ``switches``), and plain
     decoding's predicted tok/s when known. ``trials``: objects with ``number``, ``value`` and
     ``user_attrs`` (Optuna's ``FrozenTrial``)."""
-    fig, ax = _figure()
+    fig, ax = new_figure()
     done = sorted((t for t in trials if t.value is not None and math.isfinite(t.value)), key=lambda t: t.number)
     for sampler, (label, marker, colour) in SAMPLERS.items():
         pts = [(t.number, t.value) for t in done if _sampler(t) == sampler]
@@ -82,7 +60,7 @@ def tuning_curve(trials: Sequence[Any], kept: Sequence[dict[str, Any]], path: Pa
             ax.scatter(*zip(*hits), marker="*", s=160, facecolor="gold", edgecolor="black", zorder=5,
                        label="kept (switched in)")
     else:
-        _note(ax, "no completed trials")
+        note(ax, "no completed trials")
     if plain_tps:
         ax.axhline(plain_tps, color="tab:red", linestyle="--", linewidth=1, label=f"plain decoding ({plain_tps:.1f})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -92,7 +70,7 @@ def tuning_curve(trials: Sequence[Any], kept: Sequence[dict[str, Any]], path: Pa
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:  # beside the axes: trials fill the whole plot
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _sampler(trial: Any) -> str:
@@ -144,7 +122,7 @@ def _incumbent_steps(done: Sequence[Any], switches: set[int], start: float | Non
 
 def acceptance_by_position(stats: dict[str, Any], path: Path | str) -> Path:
     """Acceptance rate at each draft position (``stats["position_acceptance"]``, index i = position i+1)."""
-    fig, ax = _figure()
+    fig, ax = new_figure()
     rates = list(stats.get("position_acceptance") or [])
     if rates:
         positions = range(1, len(rates) + 1)
@@ -153,19 +131,19 @@ def acceptance_by_position(stats: dict[str, Any], path: Path | str) -> Path:
         ax.set_xticks(list(positions))
         ax.set_xlim(0.4, max(len(rates), MIN_SLOTS) + 0.6)
     else:
-        _note(ax, "nothing was drafted")
+        note(ax, "nothing was drafted")
     ax.set_ylim(0, 1.1)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     alpha = stats.get("acceptance_rate")
     ax.set_title("acceptance by draft position" + (f" (overall alpha {alpha:.2f})" if alpha is not None else ""))
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def accepted_histogram(stats: dict[str, Any], path: Path | str) -> Path:
     """Verify rounds by how many drafted tokens they accepted (``stats["accept_hist"]``)."""
-    fig, ax = _figure()
+    fig, ax = new_figure()
     counts = list(stats.get("accept_hist") or [])
     if counts:
         bars = ax.bar(range(len(counts)), counts, color="tab:purple")
@@ -173,20 +151,20 @@ def accepted_histogram(stats: dict[str, Any], path: Path | str) -> Path:
         ax.set_xticks(list(range(len(counts))))
         ax.set_xlim(-0.6, max(len(counts), MIN_SLOTS) - 0.4)
     else:
-        _note(ax, "no verify round checked a draft")
+        note(ax, "no verify round checked a draft")
     ax.set_xlabel("drafted tokens accepted in the round")
     ax.set_ylabel("rounds")
     m = stats.get("mean_accepted")
     ax.set_title("accepted tokens per round" + (f" (M {m:.2f} tokens per target forward)" if m else ""))
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def predicted_vs_measured(kept: Sequence[dict[str, Any]], path: Path | str,
                           rejected: Sequence[dict[str, Any]] = ()) -> Path:
     """Each kept strategy's predicted against measured tok/s, with the y = x line; ``rejected``
     (candidates measured and not kept, same keys) are drawn as grey crosses."""
-    fig, ax = _figure()
+    fig, ax = new_figure()
     missed = [(float(k["predicted_tps"]), float(k["measured_tps"])) for k in rejected
               if k.get("predicted_tps") and k.get("measured_tps") is not None]
     measured = [k for k in kept if k.get("measured_tps") is not None]
@@ -210,12 +188,12 @@ def predicted_vs_measured(kept: Sequence[dict[str, Any]], path: Path | str,
         ax.set_ylim(lo, hi)
         ax.legend(fontsize=8, loc="upper left")
     else:
-        _note(ax, "no kept strategy has a measured tok/s yet")
+        note(ax, "no kept strategy has a measured tok/s yet")
     ax.set_xlabel("predicted tok/s")
     ax.set_ylabel("measured tok/s")
     ax.set_title("kept strategies: predicted vs measured")
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _trial_tag(k: dict[str, Any]) -> str:
@@ -374,7 +352,7 @@ def _short_method(name: str) -> str:
 def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     """Tok/s of each bench method side by side (``autotune.measure.bench.summarise``'s report), the speedup
     over the baseline on each bar; methods whose output differed from the baseline are hatched red."""
-    fig, ax = _figure()
+    fig, ax = new_figure()
     methods = report.get("methods") or {}
     baseline = report.get("baseline")
     names = list(methods)
@@ -401,5 +379,5 @@ def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     ax.set_title(f"bench (baseline: {baseline})" + (f": {where}" if where else ""), fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     if not names:
-        _note(ax, "no methods in the report")
-    return _save(fig, path)
+        note(ax, "no methods in the report")
+    return save_figure(fig, path)

@@ -14,10 +14,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.cli.main import main
 from autotune.reports.plots import STUDY_PLOTS, bench_plot, predicted_vs_measured, write_study_report
-from autotune.cli.report import safe_dir_names
+from autotune.reports.study_report import safe_dir_names
 from autotune.store.storage import open_storage
+from tests.helpers import assert_one_line_error, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALWAYS = ("tuning_curve.png", "predicted_vs_measured.png")
@@ -32,15 +32,6 @@ def assert_png(path: Path, min_bytes: int = 5_000) -> None:
     assert len(data) > min_bytes, (path, len(data))
     height, width = imread(str(path)).shape[:2]
     assert width >= 400 and height >= 200, (path, width, height)
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------------- a real study
@@ -150,8 +141,6 @@ def test_optuna_dashboard_lists_the_study(studied):
 
 # ---------------------------------------------------------------------- no model needed
 def test_report_cli_errors_write_nothing(tmp_path, capsys):
-    from tests.autotune.test_strategies_cli import assert_one_line_error
-
     url = f"sqlite:///{tmp_path / 'store.db'}"
     out = tmp_path / "out"
     code, _, err = run(capsys, "report", "--storage", url, "--out", str(out))

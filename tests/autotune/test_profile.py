@@ -10,7 +10,7 @@ import torch
 from autotune.cli.main import main
 from runtime.loading import model_config, packaged_configs, parse_dtype, random_model
 from runtime.models import MODEL_ALIASES, PackagedGGUF
-from tests.autotune.test_cli_errors import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 
 
 def _no_weights(*args, **kwargs):
@@ -68,7 +68,8 @@ def test_profile_with_a_draft_times_the_draft(monkeypatch):
     ],
 )
 def test_profile_bad_input_is_one_line(args, needles):
-    assert_one_line_error(run_cli(*args), *needles)
+    proc = run_cli(*args)
+    assert_one_line_error(proc.returncode, proc.stderr, *needles, progress_bars=True)
 
 
 def test_bench_random_weights_runs_synthetic_prompts_without_weights(tmp_path, monkeypatch):
@@ -101,7 +102,8 @@ def test_bench_random_weights_runs_synthetic_prompts_without_weights(tmp_path, m
     ],
 )
 def test_bench_task_or_random_weights_is_one_line(args, needles):
-    assert_one_line_error(run_cli(*args), *needles)
+    proc = run_cli(*args)
+    assert_one_line_error(proc.returncode, proc.stderr, *needles, progress_bars=True)
 
 
 def test_every_packaged_alias_ships_its_config():

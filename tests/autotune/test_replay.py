@@ -4,7 +4,6 @@ model: a fake server answers through an httpx mock transport), and one slow run 
 from __future__ import annotations
 
 import json
-import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,11 +12,12 @@ import httpx
 import pytest
 
 import autotune.cli.main
-import autotune.measure.replay
+import autotune.cli.replay
 from autotune.errors import CliError
 from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
 from autotune.reports.replay_report import aggregate, category_bands, format_table, identical, replay_plot, row, switches
 from studies import Prompt, StreamRequest, write_stream
+from tests.helpers import LiveServer, assert_one_line_error, run
 
 
 def _request(index: int, category: str, text: str = "") -> StreamRequest:
@@ -170,7 +170,7 @@ def _use_fake(monkeypatch: pytest.MonkeyPatch, transport: httpx.MockTransport) -
         def __init__(self, settings: ReplaySettings) -> None:
             super().__init__(settings, transport=transport)
 
-    monkeypatch.setattr(autotune.measure.replay, "ReplayClient", FakeClient)
+    monkeypatch.setattr(autotune.cli.replay, "ReplayClient", FakeClient)
 
 
 def test_command_on_fake_server(tmp_path: Path, stream_file: Path, monkeypatch: pytest.MonkeyPatch,
@@ -199,12 +199,8 @@ def test_command_exit_1_when_outputs_differ(stream_file: Path, monkeypatch: pyte
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> None:
-    code = autotune.cli.main.main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in re.split(r"[\r\n]", err) if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    code, _, err = run(capsys, *argv)
+    assert_one_line_error(code, err, *needles)
 
 
 @pytest.mark.parametrize(
@@ -253,7 +249,6 @@ def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest
     from autotune.store.records import ResultMetrics
     from autotune.store.resolve import strategy_key
     from autotune.serving.server import ServeConfig, build_server
-    from tests.autotune.test_serve import LiveServer
     from autotune.store.storage import open_storage
     from search_spaces.layer_plan import uniform_skip_plan
     from search_spaces.strategy import Strategy

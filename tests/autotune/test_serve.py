@@ -12,7 +12,6 @@ import concurrent.futures as cf
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -20,48 +19,16 @@ import pytest
 
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
-from autotune.serving.server import ServeConfig, build_server, make_app
+from autotune.serving.server import ServeConfig, build_server
 from autotune.store.storage import open_storage
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt, load_prompts, routing_text
+from tests.helpers import MAX_TOKENS, MODEL, LiveServer, chat
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m"
-MAX_TOKENS = 24
-
-
-class LiveServer:
-    """uvicorn serving the app in a thread, on a free loopback port."""
-
-    def __init__(self, server, refresh_s: float = 3600.0) -> None:
-        import uvicorn
-
-        self.server = server
-        self.uv = uvicorn.Server(uvicorn.Config(make_app(server, refresh_s), host="127.0.0.1", port=0,
-                                                log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.uv.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        port = self.uv.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.uv.should_exit = True
-        self.thread.join(30)
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -96,25 +63,6 @@ def plain_text(pool, smollm, prompt: Prompt, max_tokens: int = MAX_TOKENS) -> tu
     out = build_decoder(pool, smollm, PLAIN).generate(ids, GenerationConfig(max_new_tokens=max_tokens,
                                                                             eos_token_ids=eos_ids(smollm)))
     return smollm.tokenizer.decode(out.tokens, skip_special_tokens=True), out.tokens
-
-
-def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS, **kw):
-    """-> (text, completion token ids, the autotune object) of one greedy chat request."""
-    body = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-                extra_body={"autotune": {"strategy": strategy, "return_token_ids": True}}, **kw)
-    if not stream:
-        r = client.chat.completions.create(**body)
-        text, usage, info = r.choices[0].message.content, r.usage, r.model_extra["autotune"]
-    else:
-        parts, final = [], None
-        for chunk in client.chat.completions.create(stream=True, **body):
-            if chunk.choices and chunk.choices[0].delta.content:
-                parts.append(chunk.choices[0].delta.content)
-            if chunk.model_extra.get("autotune"):
-                final = chunk
-        text, usage, info = "".join(parts), final.usage, final.model_extra["autotune"]
-    assert usage.completion_tokens == len(info["token_ids"])
-    return text, info["token_ids"], info
 
 
 def task_prompt(task: str, offset: int) -> Prompt:

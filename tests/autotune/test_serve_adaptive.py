@@ -21,9 +21,8 @@ from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
-from studies import Prompt, encode_prompt, load_prompts, routing_text
-from tests.autotune.test_serve import MODEL, LiveServer, chat
-from tests.autotune.test_storage import postgres_server  # noqa: F401 (a fixture)
+from studies import Prompt, encode_prompt
+from tests.helpers import MODEL, LiveServer, chat, routing_texts
 
 LOOKUP = Strategy(drafter="prompt-lookup", draft_length=6)
 # unknown traffic of one kind: far from code, homogeneous enough to route to its own centroid
@@ -141,14 +140,10 @@ def measured_acceptance(pool, smollm, texts: list[str], max_tokens: int) -> tupl
     return total.acceptance_rate, total.tokens_per_s
 
 
-def texts(task: str, n: int, offset: int) -> list[str]:
-    return [routing_text(p) for p in load_prompts(task, None, n, offset)]
-
-
 def store_humaneval_lookup(storage, pool, smollm, task: str, prompts: list[str], tokens: int) -> tuple[object, int]:
     """Store LOOKUP under ``task`` with the acceptance and speed it measured on HumanEval (what a
     study would have stored): -> (its key, its history row)."""
-    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
+    acceptance, tps = measured_acceptance(pool, smollm, routing_texts("humaneval", 4, 0), tokens)
     key = strategy_key(smollm, None, task, "cpu")
     return key, storage.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance), prompts=prompts)
 
@@ -161,7 +156,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
     url = f"sqlite:///{tmp_path / 'store.db'}"
     tokens = 32
     with open_storage(url) as storage:
-        key, old = store_humaneval_lookup(storage, pool, smollm, "humaneval", texts("humaneval", 8, 0), tokens)
+        key, old = store_humaneval_lookup(storage, pool, smollm, "humaneval", routing_texts("humaneval", 8, 0), tokens)
         settings = AdaptSettings(min_requests=2, retune_requests=3)
         # every request routes to the one stored task (the GSM8K traffic lands on HumanEval's route)
         server = build_server(ServeConfig(model=MODEL, storage=url, route_distance=0.99, adaptive=settings),
@@ -169,7 +164,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
         with LiveServer(server) as live:
             client = live.client()
             infos = []
-            sent = texts("humaneval", 2, 20) + texts("gsm8k", 12, 0)
+            sent = routing_texts("humaneval", 2, 20) + routing_texts("gsm8k", 12, 0)
             for i, text in enumerate(sent):
                 got, ids, info = chat(client, text, max_tokens=tokens)
                 assert ids == plain_ids(pool, smollm, text, tokens), i  # lossless in every state
@@ -196,9 +191,9 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
             assert best.study_name == "serve:humaneval"
             # the route's prompts, then the texts of the requests it re-tuned on
             tuned_on = sent[first:first + settings.retune_requests]
-            assert storage.prompts(best.history_id) == texts("humaneval", 8, 0) + tuned_on
+            assert storage.prompts(best.history_id) == routing_texts("humaneval", 8, 0) + tuned_on
             # later requests decode with the re-tuned entry (stored state again)
-            text = texts("gsm8k", 1, 30)[0]
+            text = routing_texts("gsm8k", 1, 30)[0]
             _, ids, info = chat(client, text, max_tokens=tokens)
             assert info["state"] == "stored" and ids == plain_ids(pool, smollm, text, tokens)
             assert server.book.entries[0].strategy == best.strategy
@@ -209,7 +204,8 @@ def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
     url = f"sqlite:///{tmp_path / 'store.db'}"
     key = strategy_key(smollm, None, "humaneval", "cpu")
     with open_storage(url) as storage:
-        storage.record(key, LOOKUP, ResultMetrics.from_throughput(20.0, acceptance=0.5), prompts=texts("humaneval", 8, 0))
+        storage.record(key, LOOKUP, ResultMetrics.from_throughput(20.0, acceptance=0.5),
+                       prompts=routing_texts("humaneval", 8, 0))
         settings = AdaptSettings(new_route_requests=3, retune_requests=2)
         server = build_server(ServeConfig(model=MODEL, storage=url, adaptive=settings), storage, pool=pool)
         with LiveServer(server) as live:
@@ -270,7 +266,7 @@ def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path)
         with LiveServer(server) as live:
             client = live.client()
             states = []
-            for text in texts("gsm8k", 12, 0):
+            for text in routing_texts("gsm8k", 12, 0):
                 _, ids, info = chat(client, text, max_tokens=tokens)
                 assert ids == plain_ids(pool, smollm, text, tokens)
                 assert info["route"] == "unknown"
@@ -302,11 +298,11 @@ def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request):
 
     url = _pg_database(request.getfixturevalue("postgres_server"), f"autotune_replicas_{os.getpid()}")
     tokens = 32
-    acceptance, tps = measured_acceptance(pool, smollm, texts("humaneval", 4, 0), tokens)
+    acceptance, tps = measured_acceptance(pool, smollm, routing_texts("humaneval", 4, 0), tokens)
     key = strategy_key(smollm, None, "humaneval", "cpu")
     with open_storage(url) as store_a, open_storage(url) as store_b:
         store_a.record(key, LOOKUP, ResultMetrics.from_throughput(tps, acceptance=acceptance),
-                       prompts=texts("humaneval", 8, 0))
+                       prompts=routing_texts("humaneval", 8, 0))
         settings = AdaptSettings(min_requests=2, retune_requests=2)
         config = ServeConfig(model=MODEL, storage=url, route_distance=0.99, adaptive=settings, refresh_s=0.5)
         a = build_server(config, store_a, pool=pool)
@@ -314,7 +310,7 @@ def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request):
         with LiveServer(a, refresh_s=0.5) as live_a, LiveServer(b, refresh_s=0.5) as live_b:
             assert b.book.entries[0].strategy == LOOKUP
             client = live_a.client()
-            for text in texts("gsm8k", 10, 0):  # drift on replica A until it stored its re-tune
+            for text in routing_texts("gsm8k", 10, 0):  # drift on replica A until it stored its re-tune
                 chat(client, text, max_tokens=tokens)
                 if any(e["event"] == "stored" for e in a.worker.adapter.events):
                     break
@@ -324,7 +320,7 @@ def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request):
             while b.book.entries[0].strategy != stored.strategy or b.book.entries[0].history_id != stored.history_id:
                 assert time.time() < deadline, "replica B did not pick up A's re-tune"
                 time.sleep(0.1)
-            text = texts("gsm8k", 1, 40)[0]
+            text = routing_texts("gsm8k", 1, 40)[0]
             _, ids, info = chat(live_b.client(), text, max_tokens=tokens)
             assert info["route"] == "humaneval" and ids == plain_ids(pool, smollm, text, tokens)
             assert (info["drafted"] > 0) == stored.strategy.speculates  # B decodes with A's result

@@ -14,7 +14,7 @@ from autotune.serving.routing.book import StrategyBook
 from autotune.store.storage import open_storage
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
-from studies import load_prompts, routing_text
+from tests.helpers import routing_texts
 
 TARGET = SimpleNamespace(model_id="org/served-model", revision="abc")
 SKIP = Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(30, 0.2))
@@ -25,10 +25,6 @@ def key(task: str, model: str = "org/served-model") -> StrategyKey:
     return StrategyKey(model_id=model, model_revision="abc", draft_id="", task=task, hardware=hardware_fingerprint("cpu"))
 
 
-def texts(task: str, n: int = 15, offset: int = 0) -> list[str]:
-    return [routing_text(p) for p in load_prompts(task, None, n, offset)]
-
-
 @pytest.fixture()
 def storage(tmp_path):
     with open_storage(f"sqlite:///{tmp_path / 'book.db'}") as s:
@@ -37,7 +33,7 @@ def storage(tmp_path):
 
 def book_with(storage, **stored: Strategy) -> StrategyBook:
     for task, strategy in stored.items():
-        storage.record(key(task), strategy, ResultMetrics.from_throughput(10.0), prompts=texts(task))
+        storage.record(key(task), strategy, ResultMetrics.from_throughput(10.0), prompts=routing_texts(task))
     book = StrategyBook(storage, TARGET, None, "cpu", ServingMetrics())
     book.refresh()
     return book
@@ -46,7 +42,7 @@ def book_with(storage, **stored: Strategy) -> StrategyBook:
 def test_auto_routes_each_task_to_its_strategy_and_the_rest_to_plain(storage):
     book = book_with(storage, gsm8k=SKIP, humaneval=LOOKUP)
     for task, strategy in (("gsm8k", SKIP), ("humaneval", LOOKUP)):
-        for text in texts(task, 5, offset=30):  # prompts the store was not given
+        for text in routing_texts(task, 5, offset=30):  # prompts the store was not given
             choice = book.choose(text, "auto")
             assert (choice.route, choice.strategy) == (task, strategy)
             assert choice.distance < book.router.threshold
@@ -65,7 +61,7 @@ def test_unknown_uses_a_stored_general_purpose_strategy(storage):
 
 def test_overrides_bypass_routing(storage):
     book = book_with(storage, gsm8k=SKIP)
-    math = texts("gsm8k", 1, offset=40)[0]
+    math = routing_texts("gsm8k", 1, offset=40)[0]
     assert book.choose(math, "plain").strategy == PLAIN
     assert book.choose(math, "default").strategy == PLAIN  # no draft: the default is plain decoding
     (row,) = storage.list_best(task="gsm8k")

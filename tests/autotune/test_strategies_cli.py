@@ -9,63 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.cli.main import main
 from autotune.errors import StorageError
-from autotune.store.hardware import hardware_fingerprint
 from autotune.store.resolve import load_strategy_file, resolve_strategy, strategy_key
-from autotune.store.storage import ResultMetrics, StrategyKey, open_storage
+from autotune.store.storage import StrategyKey, open_storage
 from search_spaces.errors import StrategyError
-from search_spaces.layer_plan import LayerPlan
-from search_spaces.strategy import PLAIN, SWIFT_DYNAMIC_WIDTHS, Strategy
-
-MODEL = "smollm2-135m@gguf:b179c9523d0e"
-HW = hardware_fingerprint("cpu")
-STORED = {  # name -> (draft, task, strategy); ids follow this order
-    "draft": ("smollm2-135m", "humaneval", Strategy(draft_length=6, draft_vocab=32768, confidence_threshold=0.5)),
-    "lookup": ("", "gsm8k", Strategy(drafter="prompt-lookup", draft_length=7)),
-    "selfskip": ("", "mt-bench", Strategy(drafter="layer-skip", layer_plan=LayerPlan(n_layers=30, skip_attn=(5, 6)))),
-    "tree": ("smollm2-135m", "gsm8k", Strategy(draft_length=3, tree_widths=(2, 2, 1))),
-    "groups": ("smollm2-135m", "mt-bench", Strategy(layer_plan=LayerPlan(n_layers=30, groups=((1, 3),)))),
-    "plain": ("", "humaneval", PLAIN),
-    "dynamic": ("smollm2-135m", "prompts", Strategy(dynamic_widths=SWIFT_DYNAMIC_WIDTHS)),
-}
-IDS = {name: i + 1 for i, name in enumerate(STORED)}
-
-
-def key(draft: str, task: str) -> StrategyKey:
-    return StrategyKey(MODEL, "b179c9523d0e", draft, task, HW)
-
-
-@pytest.fixture
-def url(tmp_path) -> str:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    with open_storage(url) as storage:
-        for n, (draft, task, strategy) in enumerate(STORED.values()):
-            storage.record(key(draft, task), strategy, ResultMetrics.from_throughput(10.0 + n, acceptance=0.5))
-    return url
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
-def snapshot(url: str) -> tuple:
-    with open_storage(url) as storage:
-        rows = storage.list_best()
-        return tuple((r.id, r.score, r.strategy_json) for r in rows), tuple(len(storage.history(r.key)) for r in rows)
+from search_spaces.strategy import PLAIN, Strategy
+from tests.helpers import HW, IDS, STORED, STORED_MODEL, assert_one_line_error, run, snapshot, stored_key
 
 
 # ---------------------------------------------------------------------- list / show / delete
@@ -104,7 +53,7 @@ def test_delete_keeps_history(url, capsys):
     assert code == 0 and f"deleted strategy {IDS['lookup']}" in out
     with open_storage(url) as storage:
         assert storage.get(IDS["lookup"]) is None and len(storage.list_best()) == len(STORED) - 1
-        assert len(storage.history(key("", "gsm8k"))) == 1
+        assert len(storage.history(stored_key("", "gsm8k"))) == 1
 
 
 # ---------------------------------------------------------------------- export
@@ -174,16 +123,6 @@ def test_bad_storage_urls(url, capsys, storage, needle, command, tmp_path):
 
 
 # ---------------------------------------------------------------------- generate --strategy
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    from runtime.pipeline import ModelPool
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded; the error should come before")
-
-    monkeypatch.setattr(ModelPool, "get", refuse)
-
-
 def generate(capsys, *extra: str) -> tuple[int, str, str]:
     return run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi", *extra)
 
@@ -219,9 +158,9 @@ def test_generate_strategy_and_strategy_flags_conflict(capsys, no_model_loads):
 
 # ---------------------------------------------------------------------- resolve_strategy
 def test_resolve_default_best_and_path(url, tmp_path):
-    target = SimpleNamespace(model_id=MODEL, revision="b179c9523d0e")
+    target = SimpleNamespace(model_id=STORED_MODEL, revision="b179c9523d0e")
     k = strategy_key(target, "smollm2-135m", "humaneval", "cpu")
-    assert k == key("smollm2-135m", "humaneval")
+    assert k == stored_key("smollm2-135m", "humaneval")
     fallback = Strategy(draft_length=2)
     assert resolve_strategy("default", url, k, fallback) == fallback
     assert resolve_strategy("best", url, k, fallback) == STORED["draft"][2]
@@ -243,15 +182,16 @@ def test_resolve_corrupt_file(tmp_path):
     path = tmp_path / "s.json"
     path.write_text("[1, 2]")
     with pytest.raises(StrategyError, match="must be a JSON object"):
-        resolve_strategy(str(path), None, key("", "gsm8k"), PLAIN)
+        resolve_strategy(str(path), None, stored_key("", "gsm8k"), PLAIN)
 
 
 def test_chosen_strategy_replaces_the_flags(url):
-    from autotune.cli.main import _chosen_strategy, build_parser
+    from autotune.cli.inputs import chosen_strategy as _chosen_strategy
+    from autotune.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["generate", "--model", "smollm2-135m", "--task", "gsm8k", "--strategy", "best", "--storage", url])
-    target = SimpleNamespace(model_id=MODEL, revision="b179c9523d0e")
+    target = SimpleNamespace(model_id=STORED_MODEL, revision="b179c9523d0e")
     assert _chosen_strategy(args, target, PLAIN) == STORED["lookup"][2]
 
 

@@ -28,11 +28,10 @@ from runtime.drafters import Draft, ModelDrafter, TreeShape
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, logits_to_probs
 from runtime.stats import DecodeStats
+from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree
 from search_spaces.layer_plan import LayerPlan
-
-from tests.conftest import tiny_model
 
 V = 5  # vocabulary: 125 joint cells for three tokens
 LENGTH = 3  # generated tokens whose joint distribution is checked

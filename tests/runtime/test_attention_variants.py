@@ -10,11 +10,10 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
+from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree, verify_mask
 from search_spaces import LayerPlan
-
-from tests.conftest import noisy_copy, tiny_model
 
 WINDOW = 4
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 30, 2, 77, 14]  # 12 tokens: three windows' worth
@@ -25,7 +24,7 @@ COMMON = dict(
 
 
 def _sharpen(model: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():  # as tests/conftest.py: no greedy near-ties
+    with torch.no_grad():  # as runtime.testing.tiny_model: no greedy near-ties
         model.lm_head.weight.mul_(8.0)
     return model.eval()
 

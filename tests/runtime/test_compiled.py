@@ -16,9 +16,9 @@ import runtime.compiled
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.drafters import ModelDrafter, TreeShape
 from runtime.sampling import SamplingParams
+from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
-from tests.conftest import noisy_copy, tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 5, 17, 3]
 N_LAYERS = 4

@@ -10,9 +10,8 @@ from runtime.decoding import Decoder, GenerationConfig, decode_generator
 from runtime.drafters import ModelDrafter, TreeShape
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
+from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
-
-from tests.conftest import tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7]
 

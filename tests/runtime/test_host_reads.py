@@ -18,9 +18,9 @@ from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
+from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
-from tests.conftest import noisy_copy, tiny_model
 
 CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 5, 17, 3]

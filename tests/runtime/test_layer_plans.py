@@ -10,10 +10,9 @@ import torch
 
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
+from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, Strategy, easyspec_plan, uniform_skip_plan
-
-from tests.conftest import noisy_copy, tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61]
 CFG = GenerationConfig(max_new_tokens=40)

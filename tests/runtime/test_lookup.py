@@ -9,9 +9,8 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
+from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
-
-from tests.conftest import tiny_model
 
 GREEDY = SamplingParams()
 GEN = torch.Generator().manual_seed(0)

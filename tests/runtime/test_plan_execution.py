@@ -8,10 +8,9 @@ import torch
 
 from runtime.attention import attend_mask
 from runtime.layer_exec import AttnInputs, run_blocks
+from runtime.testing import tiny_model
 from runtime.transformer import MAX_COMPILED_PLANS, CausalLM
 from search_spaces import LayerPlan
-
-from tests.conftest import tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61]
 

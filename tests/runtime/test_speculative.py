@@ -9,9 +9,8 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, TreeShape
 from runtime.sampling import SamplingParams
+from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
-
-from tests.conftest import noisy_copy, tiny_model
 
 PROMPT = [5, 17, 3, 88, 42, 7]
 

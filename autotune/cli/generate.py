@@ -1,0 +1,52 @@
+"""``autotune generate``: decode prompts (speculatively when --draft is given) and print the text."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args
+from autotune.cli.inputs import check_common, check_strategy_choice, generation_config, load_models, prompt_items, tokenize
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text (speculatively when --draft is given)")
+    add_model_args(p)
+    add_prompt_args(p, limit={"default": None})
+    add_strategy_args(p)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--strategy", help="best (stored for this model, draft, task and hardware), default, or a strategy JSON file"
+    )
+    p.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from runtime.pipeline import build_decoder, eos_ids
+
+    check_common(args)
+    generation_config(args, ())  # validate sampling flags before loading anything
+    items = prompt_items(args)
+    check_strategy_choice(args)
+    pool, target, strategy = load_models(args)
+    prompts = tokenize(items, target.tokenizer)
+    cfg = generation_config(args, eos_ids(target))
+    decoder = build_decoder(pool, target, strategy, args.draft)
+    for pid, ids in prompts:
+        decoder.check_fits(len(ids), cfg)
+    for pid, ids in prompts:
+        result = decoder.generate(ids, cfg)
+        text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"id": pid, "text": text, "tokens": result.tokens, "stats": result.stats.as_dict()}))
+        else:
+            s = result.stats
+            print(text)
+            print(f"[{pid}] {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, alpha {s.acceptance_rate:.2f}, "
+                  f"M {s.mean_accepted:.2f}", file=sys.stderr)
+    return 0

@@ -1,0 +1,37 @@
+"""``autotune profile``: time our runtime's plain, verify-by-width and draft-by-plan steps."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from autotune.cli.args import add_model_args, int_list
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("profile", help="time our runtime's plain, verify-by-width and draft-by-plan steps")
+    add_model_args(p, ["model", "draft", "device", "dtype"],
+                   draft={"help": "draft model (default: the target drafts for itself)"},
+                   dtype={"default": "auto", "help": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, ..."})
+    p.add_argument("--random-weights", action="store_true",
+                   help="build the models from their configs with random weights (no weights needed)")
+    p.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")
+    p.add_argument("--lp-size", help="EasySpec layer-parallel sizes for the draft step, e.g. 4 (default: 2,3,4)")
+    p.add_argument("--min-time", type=float, help="seconds to time each step for, at least (default: 0.5)")
+    add_model_args(p, ["compile"], compile={"help": "time compiled steps (torch.compile; CUDA graphs on CUDA)"})
+    p.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune.measure.bench import write_report
+    from autotune.measure.profile import ProfileSettings, format_table, run_profile
+
+    given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
+    sizes = {k: tuple(int_list(flag, text)) for k, (flag, text) in given.items() if text}
+    timing = {"min_run_time": args.min_time} if args.min_time is not None else {}
+    settings = ProfileSettings(**sizes, **timing, compile=args.compile)
+    report = run_profile(args.model, args.draft, args.device, args.dtype, args.random_weights, settings)
+    print(format_table(report))
+    if args.json_out:
+        write_report(report, args.json_out)
+    return 0

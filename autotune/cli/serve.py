@@ -1,0 +1,54 @@
+"""``autotune serve``: the OpenAI-compatible server that routes each request to its task's strategy."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autotune.cli.args import add_model_args
+from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
+    add_model_args(p)
+    p.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
+    p.add_argument("--route-distance", type=float,
+                   help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
+    _add_adaptive_args(p)
+
+
+def _add_adaptive_args(p: argparse.ArgumentParser) -> None:
+    adapt = p.add_argument_group("adaptive serving (drift detection, re-tuning on live traffic, new routes)")
+    adapt.add_argument("--adaptive", action="store_true",
+                       help="watch each route's acceptance and speed; fall back to plain and re-tune on drift")
+    adapt.add_argument("--acceptance-drop", type=float, default=AdaptDefaults.acceptance_drop,
+                       help="re-tune a route whose acceptance falls below (1 - this) x its stored acceptance "
+                            f"(default {AdaptDefaults.acceptance_drop})")
+    adapt.add_argument("--retune-requests", type=int, default=AdaptDefaults.retune_requests,
+                       help=f"requests a re-tune decodes with the online tuner (default {AdaptDefaults.retune_requests})")
+    adapt.add_argument("--retune-share", type=float, default=AdaptDefaults.retune_share,
+                       help=f"cap on a re-tune's tuning time, as a share of its decode time "
+                            f"(default {AdaptDefaults.retune_share})")
+    adapt.add_argument("--new-route-requests", type=int, default=AdaptDefaults.new_route_requests,
+                       help="unknown requests of one topic (a pending cluster) that become a new route "
+                            f"(default {AdaptDefaults.new_route_requests})")
+    adapt.add_argument("--recheck-plain-requests", type=int, default=AdaptDefaults.recheck_plain_requests,
+                       help="requests a route stored as plain serves before it re-checks whether speculation "
+                            f"pays (default {AdaptDefaults.recheck_plain_requests})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune.serving.server import ServeConfig, serve
+
+    adaptive = AdaptDefaults(
+        acceptance_drop=args.acceptance_drop, retune_requests=args.retune_requests, retune_share=args.retune_share,
+        new_route_requests=args.new_route_requests, recheck_plain_requests=args.recheck_plain_requests,
+    ) if args.adaptive else None
+    return serve(ServeConfig(
+        model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,
+        storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
+        adaptive=adaptive,
+    ))
