@@ -4,8 +4,8 @@ from runtime.draft import Draft, Drafter
 from runtime.drafters import ModelDrafter, TreeShape
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.lookup import PromptLookupDrafter
 from runtime.loading import LoadedModel, check_vocab_compatible, load_model
+from runtime.lookup import PromptLookupDrafter
 from runtime.models import MODEL_ALIASES, resolve_model
 from runtime.pipeline import ModelPool, build_decoder, eos_ids
 from runtime.sampling import SamplingParams, logits_to_probs, verify_chain, verify_chain_greedy

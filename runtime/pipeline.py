@@ -12,8 +12,8 @@ from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
-from runtime.lookup import PromptLookupDrafter
 from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype, random_model
+from runtime.lookup import PromptLookupDrafter
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
 

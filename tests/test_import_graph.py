@@ -148,7 +148,9 @@ def test_a_cycle_is_found_even_through_lazy_and_relative_imports(tmp_path: Path)
         "runtime/__init__.py": "",
         "runtime/drafters.py": "def f():\n    from runtime.lookup import L\n",
         "runtime/lookup.py": "from .drafters import f\n",
-        "runtime/layer_exec.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.transformer import C\n",
+        "runtime/layer_exec.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.transformer import C\n"
+        ),
         "runtime/transformer.py": "import runtime.layer_exec\n",
         "autotune/__init__.py": "", "search_spaces/__init__.py": "", "studies/__init__.py": "",
     })

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.tuning import cost_model  # noqa: E402
 from autotune.cli.main import main  # noqa: E402
+from autotune.tuning import cost_model  # noqa: E402
 
 _real = cost_model.MeasuredCostModel._forward_s
 

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args
-from autotune.cli.inputs import check_common, check_prompts_fit, fitting_prompts, generation_config, load_models, prompt_items
+from autotune.cli.inputs import (
+    check_common, check_prompts_fit, fitting_prompts, generation_config, load_models, prompt_items,
+)
 from autotune.errors import CliError
 
 METHODS_HELP = (

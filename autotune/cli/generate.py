@@ -7,7 +7,9 @@ import sys
 from typing import Any
 
 from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args
-from autotune.cli.inputs import check_common, check_strategy_choice, generation_config, load_models, prompt_items, tokenize
+from autotune.cli.inputs import (
+    check_common, check_strategy_choice, generation_config, load_models, prompt_items, tokenize,
+)
 
 
 def add_parser(sub: Any) -> None:

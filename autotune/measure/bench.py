@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from runtime.compiled import bucketed
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.compiled import bucketed
 from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan

@@ -2,10 +2,11 @@
 check across modes, a rich table, the JSON file and the tok/s-over-the-stream plot.
 
 Everything here is a pure function of replay records (no server): values with the fields of
-:class:`Record`, such as :class:`autotune.measure.replay.ReplayRecord`. Tok/s is total completion tokens / total decode time (each request's tokens over its tok/s),
-acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts),
-switches count changes of the strategy label between consecutive requests of a category, and
-tuning counts requests answered while their route re-tuned.
+:class:`Record`, such as :class:`autotune.measure.replay.ReplayRecord`. Tok/s is total completion
+tokens / total decode time (each request's tokens over its tok/s), acceptance is accepted /
+drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
+changes of the strategy label between consecutive requests of a category, and tuning counts
+requests answered while their route re-tuned.
 """
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
 """``autotune study``: decode a task's prompts while tuning the strategy online, persist the best.
 
-1. Plain decoding runs first, every drafter kind of the space following the sequence on standby;
-   the online tuner (``autotune.tuning.tuner``) scores candidates between rounds, races them on fresh
-   windows and switches only to one that measured faster; trials go to Optuna's RDB storage (one
-   study per model, draft, task, space and hardware; resumed when it exists, its best tried first).
-   The default space is ``auto`` (plain / prompt lookup / the draft model or the target's own
-   layers, with trees, lengths, thresholds, layer-parallel groups and calibration).
-2. The best strategy and plain decoding then run side by side on the first ``CHECK_PROMPTS``
-   prompts: measured tokens/s, speedup and token identity.
-3. The faster of the two (plain decoding is a point of every space: a study never stores a
-   strategy slower than not speculating) is recorded in the strategy store (best row + history +
-   the routing texts of the prompts decoded, which ``autotune serve`` routes requests by) in one
-   transaction.
+1. ``_build``, ``_tune``: plain decoding runs first, every drafter kind of the space following the
+   sequence on standby; the online tuner (``autotune.tuning.tuner``) scores candidates between
+   rounds, races them on fresh windows and switches only to one that measured faster; trials go to
+   Optuna's RDB storage (one study per model, draft, task, space and hardware; resumed when it
+   exists, its best tried first). The default space is ``auto`` (plain / prompt lookup / the draft
+   model or the target's own layers, with trees, lengths, thresholds, layer-parallel groups and
+   calibration).
+2. ``_check``: the best strategy and plain decoding then run side by side on the first
+   ``CHECK_PROMPTS`` prompts: measured tokens/s, speedup and token identity.
+3. ``_record``: the faster of the two (plain decoding is a point of every space: a study never
+   stores a strategy slower than not speculating) is recorded in the strategy store (best row +
+   history + the routing texts of the prompts decoded, which ``autotune serve`` routes requests by)
+   in one transaction.
 """
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ from typing import Any
 import optuna
 from tqdm import tqdm
 
-from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.errors import CliError
 from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
+from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
-from runtime.decoding import GenerationConfig
+from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
@@ -176,6 +177,35 @@ def run_study(
     ``baseline``: decode every prompt plainly too, next to tuning on it (``Baseline``: tokens/s
     while tuning against plain decoding's on the same prompts, and token identity of every
     output, which joins the lossless check of what is stored); its time is not tuning time."""
+    setup = _build(pool, target, draft_name, task, prompts, cfg, storage, space_name, settings, skip_ratio)
+    stats, base, tuning_share = _tune(setup, pool, target, prompts, cfg, progress, baseline)
+    check = _check(pool, target, setup.uses_draft, setup.tuner.best, prompts[:CHECK_PROMPTS], cfg, setup.width)
+    if base is not None:  # an output that differed while tuning: nothing speculative is stored
+        check.identical &= base.identical
+    return _record(setup, storage, check, stats, base, tuning_share, prompt_texts)
+
+
+@dataclass
+class _Setup:
+    """What a study decodes and tunes with (``_build``)."""
+
+    space: SearchSpace
+    ctx: SpaceContext
+    uniform: Strategy
+    width: int  # the one verify width of the space
+    uses_draft: str | None  # the draft model, when the space drafts with it
+    decoder: Decoder  # plain decoding first, every drafter kind of the space on standby
+    key: StrategyKey
+    name: str
+    study: optuna.Study
+    tuner: OnlineTuner
+
+
+def _build(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, task: str, prompts: list[list[int]],
+    cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float,
+) -> _Setup:
+    """The tuning decoder, the study (resumed when it exists) and the online tuner."""
     space = get_space(space_name)
     draft = pool.get(draft_name, "float32") if draft_name else None
     ctx = space_context(space, target, draft, skip_ratio)
@@ -197,11 +227,21 @@ def run_study(
     cost = MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
                              verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False)
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
+    return _Setup(space, ctx, uniform, width, uses_draft, decoder, key, name, study, tuner)
+
+
+def _tune(
+    setup: _Setup, pool: ModelPool, target: LoadedModel, prompts: list[list[int]], cfg: GenerationConfig,
+    progress: bool, baseline: bool,
+) -> tuple[DecodeStats, Baseline | None, float]:
+    """Decode ``prompts`` with the tuner between rounds (with ``baseline``, plainly too, next to
+    it). -> (the tuning decoder's stats, the baseline, tuning time's share of the wall time)."""
+    decoder, tuner = setup.decoder, setup.tuner
     stats = DecodeStats()
     plain_decoder = build_decoder(pool, target, PLAIN) if baseline else None
     base = Baseline(DecodeStats(), DecodeStats(), True) if baseline else None
     tune_wall = 0.0
-    with tqdm(total=len(prompts), desc=f"study {space.name}", unit="prompt", disable=not progress) as bar:
+    with tqdm(total=len(prompts), desc=f"study {setup.space.name}", unit="prompt", disable=not progress) as bar:
         for i, ids in enumerate(prompts):
             # the baseline decodes before the tuning decoder on even prompts and after it on odd
             # ones, so an effect of going first or second (the machine's speed drifts) cancels
@@ -221,9 +261,16 @@ def run_study(
             bar.update(1)
             bar.set_postfix_str(f"trials {tuner.state.trials} incumbent {tuner.state.best_score:.2f} tok/s")
     tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # cost-model timing included
-    check = _check(pool, target, uses_draft, tuner.best, prompts[:CHECK_PROMPTS], cfg, width)
-    if base is not None:  # an output that differed while tuning: nothing speculative is stored
-        check.identical &= base.identical
+    return stats, base, tuning_share
+
+
+def _record(
+    setup: _Setup, storage: Any, check: Check, stats: DecodeStats, base: Baseline | None, tuning_share: float,
+    prompt_texts: Sequence[str],
+) -> StudyReport:
+    """Store the faster of the best candidate and plain decoding (``choose_stored``) with what
+    ``autotune report`` draws on the study. -> the study's report."""
+    tuner, study, name = setup.tuner, setup.study, setup.name
     summary = tuner.summary()
     chosen, reason = choose_stored(tuner.best, check)
     chosen_stats = check.tuned if chosen is tuner.best else check.plain
@@ -237,12 +284,12 @@ def run_study(
                         ("plain_predicted_tps", summary["plain_predicted_tps"]), ("tuning_share", tuning_share)):
         study.set_user_attr(attr, value)  # what `autotune report` draws
     report = StudyReport(
-        name=name, space=space.name, best=tuner.best, chosen=chosen, uniform=uniform, tuner=summary,
+        name=name, space=setup.space.name, best=tuner.best, chosen=chosen, uniform=setup.uniform, tuner=summary,
         tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
         identical=check.identical, tuning_share=tuning_share, storage_url=storage.display_url,
         stored_reason=reason, baseline=base,
     )
-    report.history_id = storage.record(key, chosen, ResultMetrics(
+    report.history_id = storage.record(setup.key, chosen, ResultMetrics(
         score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,
         predicted_tps=predicted or None,
         acceptance=chosen_stats.acceptance_rate if chosen_stats.drafted else None,

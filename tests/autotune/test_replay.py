@@ -246,9 +246,9 @@ def test_not_json_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, cap
 # ---------------------------------------------------------------------- slow: a real server
 @pytest.mark.slow
 def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from autotune.serving.server import ServeConfig, build_server
     from autotune.store.records import ResultMetrics
     from autotune.store.resolve import strategy_key
-    from autotune.serving.server import ServeConfig, build_server
     from autotune.store.storage import open_storage
     from search_spaces.layer_plan import uniform_skip_plan
     from search_spaces.strategy import Strategy

@@ -7,9 +7,9 @@ import threading
 import numpy as np
 import pytest
 
-from autotune.store.records import PROMPT_CHARS
 from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter
 from autotune.serving.routing.router_eval import measure_routing
+from autotune.store.records import PROMPT_CHARS
 from search_spaces.strategy import PLAIN, Strategy
 
 CODE = (

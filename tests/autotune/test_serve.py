@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 
+from autotune.serving.server import ServeConfig, build_server
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
-from autotune.serving.server import ServeConfig, build_server
 from autotune.store.storage import open_storage
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids

@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from autotune.errors import CliError
+from autotune.serving.adaptive.adaptive import PendingClusters, RouteHealth, judge, new_route_name, unique_name
+from autotune.serving.adaptive.settings import AdaptSettings
+from autotune.serving.server import ServeConfig, build_server
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
-from autotune.serving.adaptive.settings import AdaptSettings
-from autotune.serving.adaptive.adaptive import PendingClusters, RouteHealth, judge, new_route_name, unique_name
-from autotune.serving.server import ServeConfig, build_server
 from autotune.store.storage import open_storage
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids

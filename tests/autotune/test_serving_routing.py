@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from autotune.store.hardware import hardware_fingerprint
-from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.serving.metrics import ServingMetrics
 from autotune.serving.protocol import ApiError
 from autotune.serving.routing.book import StrategyBook
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.storage import open_storage
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy

@@ -11,8 +11,7 @@ import torch
 from autotune.store.storage import open_storage
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
-
-from tests.autotune.test_strategies_cli import assert_one_line_error, no_model_loads, run, snapshot, url  # noqa: F401
+from tests.helpers import assert_one_line_error, run, snapshot
 
 
 def study(capsys, *extra: str) -> tuple[int, str, str]:
@@ -28,31 +27,31 @@ def study(capsys, *extra: str) -> tuple[int, str, str]:
     (["--skip-ratio", "1.5"], ["--skip-ratio"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens"]),
 ])
-def test_bad_study_input_fails_before_loading(capsys, url, no_model_loads, extra, needles):  # noqa: F811
+def test_bad_study_input_fails_before_loading(capsys, url, no_model_loads, extra, needles):
     before = snapshot(url)
     code, _, err = study(capsys, "--storage", url, *extra)
     assert_one_line_error(code, err, *needles)
     assert snapshot(url) == before
 
 
-def test_unreachable_storage(capsys, no_model_loads):  # noqa: F811
+def test_unreachable_storage(capsys, no_model_loads):
     code, _, err = study(capsys, "--storage", "postgresql://x@127.0.0.1:1/db")
     assert_one_line_error(code, err, "cannot open storage")
 
 
-def test_unknown_task(capsys, url, no_model_loads):  # noqa: F811
+def test_unknown_task(capsys, url, no_model_loads):
     code, _, err = run(capsys, "study", "--model", "smollm2-135m", "--task", "gsm9k", "--storage", url)
     assert_one_line_error(code, err, "unknown task", "gsm8k")
 
 
-def test_bench_tuned_with_nothing_stored(capsys, tmp_path, no_model_loads):  # noqa: F811
+def test_bench_tuned_with_nothing_stored(capsys, tmp_path, no_model_loads):
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
     code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--methods",
                        "vanilla,tuned:task=mt-bench", "--storage", empty)
     assert_one_line_error(code, err, "no tuned strategy stored", "task mt-bench", "autotune study")
 
 
-def test_bench_bad_method_option(capsys, no_model_loads):  # noqa: F811
+def test_bench_bad_method_option(capsys, no_model_loads):
     code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--methods", "tuned:task=")
     assert_one_line_error(code, err, "bad option", "task=NAME")
 
@@ -105,19 +104,20 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
     assert all(m["identical_to_baseline"] for m in methods.values())
 
 
-def test_no_flags_means_the_default_pair_on_humaneval(capsys, monkeypatch, no_model_loads):  # noqa: F811
+def test_no_flags_means_the_default_pair_on_humaneval(capsys, monkeypatch, no_model_loads):
     """`autotune study` alone tunes the packaged Qwen pair on HumanEval (seen here through the
     first model load, which the fixture turns into an error)."""
     import autotune.cli.main as cli
+    import autotune.cli.study as study_cmd
 
     seen = {}
-    real = cli._prompt_items
+    real = study_cmd.prompt_items
 
     def spy(args):
         seen.update(model=args.model, draft=args.draft, task=args.task)
         return real(args)
 
-    monkeypatch.setattr(cli, "_prompt_items", spy)
+    monkeypatch.setattr(study_cmd, "prompt_items", spy)
     with pytest.raises(AssertionError, match="a model was loaded"):
         cli.main(["study", "--limit", "1", "--storage", "sqlite://"])
     assert seen == {"model": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b", "task": "humaneval"}

@@ -18,13 +18,12 @@ from runtime.errors import RuntimeUserError
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
 from runtime.stats import DecodeStats
+from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.errors import SpaceError
 from search_spaces.layer_plan import LayerPlan, easyspec_plan, uniform_skip_plan
 from search_spaces.spaces import SpaceContext, get_space
 from search_spaces.strategy import PLAIN, Strategy
-
-from tests.conftest import tiny_model
 
 N_LAYERS = 8
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 12, 30]
@@ -619,16 +618,16 @@ def test_time_between_prompts_accrues_no_tuning_allowance():
                         optuna.create_study(direction="maximize"), FixedCostModel(draft_full_s=0.0, verify_const_s=1.0),
                         TunerSettings(max_share=0.1), clock=lambda: now[0])
     tuner.start_prompt(3)
-    tuner._accrue(0.0)
+    tuner.budget.accrue(0.0)
     now[0] = 10.0
-    tuner._accrue(now[0])  # 10 s of decoding
-    assert tuner._allowance == pytest.approx(1.0)
+    tuner.budget.accrue(now[0])  # 10 s of decoding
+    assert tuner.budget.allowance == pytest.approx(1.0)
     tuner.end_prompt([1, 2, 3], DecodeStats())
     now[0] = 110.0  # 100 s outside decoding
     tuner.start_prompt(3)
     now[0] = 120.0
-    tuner._accrue(now[0])  # 10 s more of decoding
-    assert tuner._allowance == pytest.approx(2.0)
+    tuner.budget.accrue(now[0])  # 10 s more of decoding
+    assert tuner.budget.allowance == pytest.approx(2.0)
 
 
 def test_timing_the_cost_model_is_held_against_the_allowance(target):
@@ -657,4 +656,4 @@ def test_timing_the_cost_model_is_held_against_the_allowance(target):
     tuner.end_prompt(prompt + out.tokens, out.stats)
     assert tuner.state.calibration_s == 5.0 and tuner.state.trials >= 1  # it timed, and tried
     assert tuner.state.windows == 1 and tuner.state.skipped_for_budget > 0  # then waited (no second window)
-    assert tuner._allowance < 0  # 96 s of decoding at 2% has not paid back 5 s yet
+    assert tuner.budget.allowance < 0  # 96 s of decoding at 2% has not paid back 5 s yet

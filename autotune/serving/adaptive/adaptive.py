@@ -57,12 +57,12 @@ import optuna
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 from sklearn.preprocessing import normalize
 
-from autotune.tuning.cost_model import MeasuredCostModel
+from autotune.serving.adaptive.settings import PENDING_TEXTS, AdaptSettings
+from autotune.serving.routing.book import GENERAL_TASK
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
 from autotune.store.records import ResultMetrics, clip_prompt
 from autotune.store.resolve import strategy_key
-from autotune.serving.adaptive.settings import PENDING_TEXTS, AdaptSettings
-from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
-from autotune.serving.routing.book import GENERAL_TASK
+from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats

@@ -18,8 +18,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.adaptive.adaptive import RouteHealth, judge
+from autotune.serving.adaptive.settings import AdaptSettings
 from runtime.stats import DecodeStats
 from search_spaces.strategy import Strategy
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from autotune.store.hardware import hardware_fingerprint
-from autotune.store.resolve import PROMPT_TASK
 from autotune.serving.protocol import ApiError
 from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteEntry, TaskRouter
 from autotune.serving.worker import Choice
+from autotune.store.hardware import hardware_fingerprint
+from autotune.store.resolve import PROMPT_TASK
 from search_spaces.errors import StrategyError
 from search_spaces.strategy import PLAIN, Strategy
 
