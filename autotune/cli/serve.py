@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from autotune.cli.args import add_model_args
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
+from autotune.serving.limits import API_KEY_ENV, Limits
 
 
 def add_parser(sub: Any) -> None:
@@ -17,7 +19,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
     p.add_argument("--route-distance", type=float,
                    help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
+    _add_limit_args(p)
     _add_adaptive_args(p)
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    limits = p.add_argument_group("access and limits")
+    limits.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open; "
+                             f"default: ${API_KEY_ENV}, else no key)")
+    limits.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                        help=f"a larger request body gets 413 unread (default {Limits.max_body_bytes})")
+    limits.add_argument("--request-timeout", type=float, default=Limits.request_timeout_s, metavar="S",
+                        help="a request still waiting or decoding after S seconds gets 504 and is stopped "
+                             f"(default {Limits.request_timeout_s:g})")
 
 
 def _add_adaptive_args(p: argparse.ArgumentParser) -> None:
@@ -50,5 +65,7 @@ def run(args: argparse.Namespace) -> int:
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
-        adaptive=adaptive,
+        adaptive=adaptive, limits=Limits(
+            api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+            max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout),
     ))

@@ -4,21 +4,27 @@
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every response carries an ``autotune``
 object next to ``usage``: the route, the strategy (stored id, "plain" or "default"), drafted,
 accepted, M and tokens/s. Bad input is refused here with an OpenAI error body and never reaches
-the worker.
+the worker; an error body never carries a path, a storage URL or an exception's name (those go to
+the log). ``guard.Guard`` checks the API key and the body size before any of this runs.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError, TemplateSyntaxError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from autotune.serving.guard import Guard
+from autotune.serving.limits import Limits
 from autotune.serving.protocol import (
     ApiError, ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, new_id, validation_error,
 )
@@ -31,13 +37,16 @@ from runtime.sampling import SamplingParams
 from studies import Prompt, encode_prompt, routing_text
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # a chat request without max_tokens (OpenAI's own default is "up to the context")
+log = logging.getLogger("autotune.serve")
 
 
 class Server:
     """What the endpoints share: the served model, its worker, the strategy book and metrics."""
 
-    def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any) -> None:
+    def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any,
+                 limits: Limits | None = None) -> None:
         self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
+        self.limits = limits if limits is not None else Limits()
         self.tokenizer = target.tokenizer
         self.context = target.hf_model.config.max_position_embeddings  # = CausalLM.dims.max_positions
         from runtime.pipeline import eos_ids
@@ -53,7 +62,7 @@ class Server:
         if req.model not in self.names():
             raise ApiError(404, f"model '{req.model}' is not served here; GET /v1/models lists '{self.name}'",
                            "model", code="model_not_found")
-        ids = encode_prompt(prompt, self.tokenizer)
+        ids = self.encode(prompt)
         room = self.context - len(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max, max(room, 1))
         try:
@@ -67,6 +76,18 @@ class Server:
         cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
         return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit,
                    streamed=req.stream, text=routing_text(prompt)), len(ids)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids; a chat template that refuses the messages (``raise_exception``,
+        e.g. roles that do not alternate) is the client's 400. A template that does not compile is
+        the server's fault: left to the 500 handler."""
+        try:
+            return encode_prompt(prompt, self.tokenizer)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused these messages: {exc.message or 'no reason given'}",
+                           "messages", code="invalid_messages") from None
 
 
 def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, Any]:
@@ -94,7 +115,14 @@ def _error_response(exc: ApiError) -> JSONResponse:
 
 def create_app(server: Server, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="autotune serve", version="1", lifespan=lifespan)
+    app.add_middleware(Guard, limits=server.limits,
+                       on_refusal=lambda status: server.metrics.errors.labels(str(status)).inc())
+    _add_error_handlers(app, server)
+    _add_routes(app, server)
+    return app
 
+
+def _add_error_handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         server.metrics.errors.labels(str(exc.status)).inc()
@@ -106,7 +134,9 @@ def create_app(server: Server, lifespan: Any = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never a bare 500 page
-        err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error", code="internal_error")
+        # the message is fixed: an exception's text can hold paths, storage URLs or other keys' rows
+        log.error("internal error serving %s %s", request.method, request.url.path, exc_info=exc)
+        err = ApiError(500, "internal error; see the server log", type_="server_error", code="internal_error")
         return await _api_error(request, err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -114,6 +144,8 @@ def create_app(server: Server, lifespan: Any = None) -> FastAPI:
         err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
         return await _api_error(request, err)
 
+
+def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         out = {"status": "ok", "model": server.name, "queue_depth": server.worker.depth}
@@ -142,18 +174,39 @@ def create_app(server: Server, lifespan: Any = None) -> FastAPI:
         return await _serve(server, req, prompt, "chat.completion", "chat.completion.chunk",
                             default_max=DEFAULT_CHAT_MAX_TOKENS)
 
-    return app
+
+class Events:
+    """One request's events from the worker, none awaited past the request's deadline
+    (``--request-timeout``, counted from its arrival: waiting, tokenising and decoding)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.loop = server, asyncio.get_running_loop()
+        self.deadline = time.monotonic() + server.limits.request_timeout_s
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def emit(self, event: str, payload: Any) -> None:  # called on the worker thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (event, payload))
+
+    async def next(self, job: Job) -> tuple[str, Any]:
+        """The next event, or 504 past the deadline: the job then leaves the queue at once, or,
+        when running, stops at its next round (the cancellation a departed client gets)."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(self.deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            self.server.worker.withdraw(job)
+            limit = self.server.limits.request_timeout_s
+            raise ApiError(504, f"the request took longer than this server's limit of {limit:g} s (--request-timeout) "
+                                "waiting and decoding; ask for fewer tokens or retry later",
+                           type_="server_error", code="request_timeout") from None
 
 
 async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind: str, default_max: int) -> Any:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def emit(event: str, payload: Any) -> None:  # called on the worker thread
-        loop.call_soon_threadsafe(events.put_nowait, (event, payload))
-
-    job, n_prompt = await asyncio.to_thread(server.job, req, prompt, emit, default_max)
-    server.worker.submit(job)  # 503 when the queue is full
+    server.worker.check_room()  # a full queue answers 503 before any tokenising or store lookup
+    events = Events(server)
+    job, n_prompt = await asyncio.to_thread(server.job, req, prompt, events.emit, default_max)
+    server.worker.submit(job)  # 503 when the queue filled meanwhile
     server.metrics.queue_depth.set(server.worker.depth)
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     if req.stream:
@@ -161,7 +214,7 @@ async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind
         return StreamingResponse(sse, media_type="text/event-stream")
     try:
         while True:
-            event, payload = await events.get()
+            event, payload = await events.next(job)
             if event == "error":
                 raise payload
             if event == "done":
@@ -175,13 +228,17 @@ async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind
 
 
 async def _sse(
-    server: Server, job: Job, events: asyncio.Queue, rid: str, kind: str, n_prompt: int, token_ids: bool
+    server: Server, job: Job, events: Events, rid: str, kind: str, n_prompt: int, token_ids: bool
 ) -> AsyncIterator[str]:
     model = server.name
     first = True
     try:
         while True:
-            event, payload = await events.get()
+            try:
+                event, payload = await events.next(job)
+            except ApiError as exc:  # past the deadline: the headers are out, so the stream says it
+                server.metrics.errors.labels(str(exc.status)).inc()
+                event, payload = "error", exc
             if event == "delta":
                 yield _data(chunk_body(kind, rid, model, payload, None, first))
                 first = False

@@ -2,8 +2,10 @@
 
 Requests are pydantic models: a malformed body is a 400 with OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` before anything reaches the decode worker.
-Unknown OpenAI fields (``user``, ``logprobs``...) are accepted and ignored, except those whose
-meaning we cannot honour (``n`` > 1, ``best_of`` > 1): those are refused.
+Unknown fields (``user``, ``presence_penalty``...) are accepted and ignored, except those whose
+meaning we cannot honour: ``n`` > 1, ``best_of`` > 1 and the ``UNSUPPORTED`` features are refused by
+name, since a client that asked for log-probabilities or a JSON schema and silently got none would
+be misled.
 """
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 STRATEGY_CHOICES = ("auto", "plain", "default")  # or a stored strategy id (autotune strategies list)
+MAX_ID = 2**63 - 1  # store ids and seeds are signed 64-bit integers (SQLite, PostgreSQL, torch)
+MAX_STOPS, MAX_STOP_CHARS = 64, 256  # each stop string is searched for after every round
+# OpenAI features this server does not implement; a request that turns one on is refused by name
+UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format")
 
 
 class ApiError(Exception):
@@ -41,7 +47,9 @@ class AutotuneOptions(BaseModel):
     @classmethod
     def _known_form(cls, v: str | int) -> str:
         text = str(v).strip()
-        if text in STRATEGY_CHOICES or text.isdigit():
+        # isascii: "²".isdigit() is True but int("²") fails; MAX_ID: larger ids overflow the store's column
+        is_id = text.isascii() and text.isdigit() and len(text) <= len(str(MAX_ID)) and int(text) <= MAX_ID
+        if text in STRATEGY_CHOICES or is_id:
             return text
         raise ValueError(f"must be one of {', '.join(STRATEGY_CHOICES)} or a stored strategy id, got {v!r}")
 
@@ -53,11 +61,18 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_ID)
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = 1
     best_of: int | None = None
+    # declared only to be refused by name when set (``_unsupported``)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
     autotune: AutotuneOptions = Field(default_factory=AutotuneOptions)
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)  # the latter: chat only
@@ -71,9 +86,16 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [] if v is None else [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @field_validator(*UNSUPPORTED, mode="before", check_fields=False)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v is False:  # an explicit "off" (e.g. logprobs: false) asks for nothing
+            return v
+        raise ValueError(f"{info.field_name} is not supported by this server; leave it out of the request")
 
     @model_validator(mode="after")
     def _one_choice(self) -> "_Common":

@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.errors import CliError
+from autotune.serving.limits import Limits
 
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
 
@@ -33,6 +34,7 @@ class ServeConfig:
     route_distance: float | None = None  # None: the router's measured default
     refresh_s: float = REFRESH_S
     adaptive: Any = None  # ``adaptive.AdaptSettings``: drift detection and re-tuning on live traffic
+    limits: Limits = field(default_factory=Limits)  # API key, body size, request deadline
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -79,7 +81,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         worker.verify_width = max(worker.verify_width, worker.adapter.width)  # one packed target for all
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.decoder(strategy)
-    return Server(cfg.model, target, worker, book, metrics)
+    return Server(cfg.model, target, worker, book, metrics, cfg.limits)
 
 
 def make_app(server: Any, refresh_s: float) -> Any:

@@ -7,6 +7,7 @@ A request whose client went away is skipped, or stopped at the next round when i
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from search_spaces.strategy import Strategy
 
 MAX_DECODERS = 8  # decoders kept per worker (each holds its drafter's caches), least recently used out
 RETRY_AFTER_S = 1  # what a 503 for a full queue suggests
+log = logging.getLogger("autotune.serve")
 
 
 @dataclass(frozen=True)
@@ -91,15 +93,36 @@ class DecodeWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def check_room(self) -> None:
+        """503 now when a job could not be queued: before its prompt is tokenised or its strategy
+        looked up, so a full server spends nothing on the requests it refuses."""
         if self._closing:
             raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        if self.jobs.full():
+            raise self._full()
+
+    def submit(self, job: Job) -> None:
+        self.check_room()
         try:
             self.jobs.put_nowait(job)
-        except queue.Full:
-            raise ApiError(503, f"the request queue is full ({self.jobs.maxsize} waiting); retry shortly",
-                           type_="server_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except queue.Full:  # filled since check_room
+            raise self._full() from None
+
+    def _full(self) -> ApiError:
+        return ApiError(503, f"the request queue is full ({self.jobs.maxsize} waiting); retry shortly",
+                        type_="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def withdraw(self, job: Job) -> None:
+        """Cancel ``job``: out of the queue at once (its place is free for the next request), or,
+        when it is running, stopped at its next round."""
+        job.cancelled.set()
+        with self.jobs.mutex:  # queue.Queue has no remove(); this is its own lock and condition
+            waiting = self.jobs.queue
+            for i, queued in enumerate(waiting):
+                if queued is job:
+                    del waiting[i]
+                    self.jobs.not_full.notify()
+                    break
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new requests, cancel the waiting ones, stop the running one at its next round."""
@@ -147,8 +170,9 @@ class DecodeWorker:
                 self._decode(job)
             except ApiError as exc:
                 job.emit("error", exc)
-            except Exception as exc:  # a bug must not kill the worker: report it to this request only
-                job.emit("error", ApiError(500, f"decoding failed: {type(exc).__name__}: {exc}",
+            except Exception:  # a bug must not kill the worker: report it to this request only
+                log.exception("decoding a request failed")  # the details go to the log, never to the client
+                job.emit("error", ApiError(500, "decoding failed (internal error; see the server log)",
                                            type_="server_error", code="decode_failed"))
             finally:
                 self.busy = False

@@ -78,7 +78,8 @@ def test_unknown_or_foreign_strategy_id_is_a_400(storage):
     (row,) = [r for r in storage.list_best(task="gsm8k") if r.key.model_id == "org/other-model"]
     with pytest.raises(ApiError) as err:
         book.choose("x", str(row.id))
-    assert err.value.status == 400 and "org/other-model" in err.value.message
+    assert err.value.status == 400 and err.value.code == "strategy_mismatch"
+    assert "org/other-model" not in err.value.message  # another key's model is not the client's business
 
 
 def test_metrics_name_the_strategy_of_every_route(storage):

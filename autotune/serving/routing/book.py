@@ -99,10 +99,10 @@ class StrategyBook:
         theirs = dict(model_id=row.key.model_id, model_revision=row.key.model_revision, draft_id=row.key.draft_id,
                       hardware=row.key.hardware)
         if theirs != self.scope:
-            raise ApiError(400, f"stored strategy {best_id} was tuned for model {row.key.model_id} with draft "
-                           f"'{row.key.draft_id}' on {row.key.hardware}; this server runs {self.scope['model_id']} "
-                           f"with draft '{self.scope['draft_id']}' on {self.scope['hardware']}",
-                           "autotune.strategy", code="strategy_mismatch")
+            # what the row was tuned for stays unsaid: another key's model is no business of this client
+            raise ApiError(400, f"stored strategy {best_id} was tuned for another model, draft or hardware; this "
+                           f"server runs {self.scope['model_id']} with draft '{self.scope['draft_id']}' on "
+                           f"{self.scope['hardware']}", "autotune.strategy", code="strategy_mismatch")
         return Choice("id", row.strategy, str(best_id))
 
     @staticmethod
