@@ -164,45 +164,77 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         prompt = Prompt(id="request", text=req.prompt)
-        return await _serve(server, req, prompt, "text_completion", "text_completion", default_max=16)
+        return await _serve(server, request, req, prompt, "text_completion", "text_completion", default_max=16)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Any:
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         prompt = Prompt(id="request", messages=tuple((m.role, m.content) for m in req.messages))
-        return await _serve(server, req, prompt, "chat.completion", "chat.completion.chunk",
+        return await _serve(server, request, req, prompt, "chat.completion", "chat.completion.chunk",
                             default_max=DEFAULT_CHAT_MAX_TOKENS)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request waited or decoded."""
 
 
 class Events:
     """One request's events from the worker, none awaited past the request's deadline
-    (``--request-timeout``, counted from its arrival: waiting, tokenising and decoding)."""
+    (``--request-timeout``, counted from its arrival: waiting, tokenising and decoding), nor past
+    its client's departure once ``watch`` is given the ASGI channel."""
 
     def __init__(self, server: Server) -> None:
         self.server, self.loop = server, asyncio.get_running_loop()
         self.deadline = time.monotonic() + server.limits.request_timeout_s
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.gone: asyncio.Future[None] | None = None
+
+    def watch(self, receive: Any) -> None:
+        """Watch the ASGI channel for the client's departure (call ``close`` when answered)."""
+        self.gone = asyncio.ensure_future(_disconnect(receive))
 
     def emit(self, event: str, payload: Any) -> None:  # called on the worker thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (event, payload))
 
     async def next(self, job: Job) -> tuple[str, Any]:
-        """The next event, or 504 past the deadline: the job then leaves the queue at once, or,
-        when running, stops at its next round (the cancellation a departed client gets)."""
+        """The next event; ``ClientGone`` once the client left, or 504 past the deadline: the job
+        then leaves the queue at once, or, when running, stops at its next round."""
         if not self.queue.empty():
             return self.queue.get_nowait()
+        get = asyncio.ensure_future(self.queue.get())
         try:
-            return await asyncio.wait_for(self.queue.get(), max(self.deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
-            self.server.worker.withdraw(job)
-            limit = self.server.limits.request_timeout_s
-            raise ApiError(504, f"the request took longer than this server's limit of {limit:g} s (--request-timeout) "
-                                "waiting and decoding; ask for fewer tokens or retry later",
-                           type_="server_error", code="request_timeout") from None
+            waiters = {get} if self.gone is None else {get, self.gone}
+            await asyncio.wait(waiters, timeout=max(self.deadline - time.monotonic(), 0.0),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                return get.result()
+        finally:
+            get.cancel()  # an event it took stays in the queue (asyncio.Queue.get's own rule)
+        self.server.worker.withdraw(job)
+        if self.gone is not None and self.gone.done():
+            self.server.metrics.cancelled.labels("client_disconnected").inc()
+            raise ClientGone
+        self.server.metrics.cancelled.labels("timeout").inc()
+        limit = self.server.limits.request_timeout_s
+        raise ApiError(504, f"the request took longer than this server's limit of {limit:g} s (--request-timeout) "
+                            "waiting and decoding; ask for fewer tokens or retry later",
+                       type_="server_error", code="request_timeout")
+
+    def close(self) -> None:
+        if self.gone is not None:
+            self.gone.cancel()
 
 
-async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind: str, default_max: int) -> Any:
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client has closed its connection (the request's body is read by then:
+    ``guard._replay`` forwards the client's later messages)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _serve(server: Server, request: Request, req: Any, prompt: Prompt, kind: str, chunk_kind: str,
+                 default_max: int) -> Any:
     server.worker.check_room()  # a full queue answers 503 before any tokenising or store lookup
     events = Events(server)
     job, n_prompt = await asyncio.to_thread(server.job, req, prompt, events.emit, default_max)
@@ -211,7 +243,8 @@ async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     if req.stream:
         sse = _sse(server, job, events, rid, chunk_kind, n_prompt, req.autotune.return_token_ids)
-        return StreamingResponse(sse, media_type="text/event-stream")
+        return StreamingResponse(sse, media_type="text/event-stream")  # it notices a departure and closes _sse
+    events.watch(request.receive)
     try:
         while True:
             event, payload = await events.next(job)
@@ -222,16 +255,20 @@ async def _serve(server: Server, req: Any, prompt: Prompt, kind: str, chunk_kind
                 return completion_body(kind, rid, server.name, outcome.text, outcome.finish_reason,
                                        usage(n_prompt, outcome),
                                        autotune_fields(job, outcome, req.autotune.return_token_ids))
-    except asyncio.CancelledError:  # the client went away: stop decoding at the next round
-        job.cancelled.set()
+    except ClientGone:  # its job is withdrawn; no one reads this answer (nginx's "client closed request")
+        return Response(status_code=499)
+    except asyncio.CancelledError:  # the server is stopping: stop decoding at the next round
+        server.worker.withdraw(job)
         raise
+    finally:
+        events.close()
 
 
 async def _sse(
     server: Server, job: Job, events: Events, rid: str, kind: str, n_prompt: int, token_ids: bool
 ) -> AsyncIterator[str]:
     model = server.name
-    first = True
+    first, ended = True, False
     try:
         while True:
             try:
@@ -251,9 +288,12 @@ async def _sse(
                 last["autotune"] = autotune_fields(job, payload, token_ids)
                 yield _data(last)
                 break
+        ended = True
         yield "data: [DONE]\n\n"
     finally:  # a client that disconnected mid-stream lands here (the generator is closed)
-        job.cancelled.set()
+        if not ended:
+            server.metrics.cancelled.labels("client_disconnected").inc()
+        server.worker.withdraw(job)
 
 
 def _data(obj: dict[str, Any]) -> str:

@@ -31,6 +31,8 @@ class ServingMetrics:
                                         "Draft tokens accepted at each draft position", route + ["position"], registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", route, registry=r)
         self.requests = Counter(f"{PREFIX}requests", "Requests answered, by outcome", route + ["finish_reason"], registry=r)
+        self.cancelled = Counter(f"{PREFIX}requests_cancelled", "Requests withdrawn before their end, by reason "
+                                 "(client_disconnected, timeout)", ["reason"], registry=r)
         self.errors = Counter(f"{PREFIX}request_errors", "Requests refused or failed, by HTTP status", ["status"], registry=r)
         self.latency = Histogram(f"{PREFIX}request_latency_seconds", "Request accepted -> last token", route,
                                  buckets=LATENCY_BUCKETS, registry=r)

@@ -202,7 +202,7 @@ class DecodeWorker:
         ended = job.stream.stopped or (result.tokens and result.tokens[-1] in job.cfg.eos_token_ids)
         now = time.perf_counter()
         outcome = Outcome(
-            text=job.stream.text, tokens=list(result.tokens), stats=result.stats,
+            text=job.stream.text, tokens=list(result.tokens[: job.stream.n_tokens]), stats=result.stats,  # to the stop
             finish_reason="stop" if ended else "length",
             ttft_s=(job.first_token_at or now) - job.accepted_at, latency_s=now - job.accepted_at,
         )

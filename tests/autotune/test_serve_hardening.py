@@ -3,12 +3,15 @@
 The API key guards /v1/* while probes and scrapers stay open; a client's mistake is a 400 naming
 the field, never a 500, and no error body shows a path, a storage URL, an exception's class or
 another key's model; an oversized body is refused unread; a full queue answers before any work;
-a request past ``--request-timeout`` gets 504 and stops costing decode time.
+a request past ``--request-timeout`` gets 504 and stops costing decode time; one whose client
+left costs nothing more, queued or running; a completion's tokens end at its stop string.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
+import socket
 import time
 
 import httpx
@@ -18,6 +21,7 @@ import pytest
 from autotune.serving.limits import Limits
 from autotune.serving.server import ServeConfig, build_server
 from autotune.store.records import ResultMetrics, StrategyKey
+from autotune.store.resolve import strategy_key
 from autotune.store.storage import open_storage
 from search_spaces.strategy import Strategy
 from tests.helpers import HW, MODEL, LiveServer, chat
@@ -250,3 +254,93 @@ def test_request_timeout_gives_504_and_frees_its_place(hurried):
     _, ids, _ = chat(hurried.client(), "Say hi.", max_tokens=3)  # the place is free again
     # none of the stopped requests ran to its end: only "Say hi." counts its tokens
     assert _metric(hurried.url, "autotune:generation_tokens_total") == tokens + len(ids)
+
+
+# ---------------------------------------------------------------------- departed clients
+COUNT = {**LONG, "max_tokens": 200}  # counting never meets EOS within 200 tokens
+
+
+@pytest.fixture(scope="module")
+def patient(pool, smollm, store_url):
+    """The default deadline and one waiting place (no key)."""
+    storage, live = _live(pool, store_url, max_queue=1)
+    with live:
+        yield live
+    storage.close()
+
+
+def _send_raw(live: LiveServer, body: dict) -> socket.socket:
+    """A non-streaming request on a bare socket the test closes without reading the answer."""
+    host, port = live.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+    return sock
+
+
+def _depth(live: LiveServer) -> int:
+    return httpx.get(f"{live.url}/health").json()["queue_depth"]
+
+
+def _cancelled(live: LiveServer) -> float:
+    return _metric(live.url, 'autotune:requests_cancelled_total{reason="client_disconnected"}')
+
+
+def test_a_departed_client_stops_its_running_request(patient):
+    tokens, cancelled = _metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
+    sock = _send_raw(patient, COUNT)
+    time.sleep(1.0)  # past its first rounds
+    assert _depth(patient) == 1
+    sock.close()
+    _wait_idle(patient)
+    assert _metric(patient.url, "autotune:generation_tokens_total") - tokens < 100  # it never ran to its end
+    assert _cancelled(patient) == cancelled + 1
+    _, ids, _ = chat(patient.client(), "Say hi.", max_tokens=3)  # the worker serves the next one
+    assert _metric(patient.url, "autotune:generation_tokens_total") == tokens + len(ids)
+
+
+def test_a_departed_client_leaves_the_queue_undecoded(patient):
+    tokens, cancelled = _metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
+    with cf.ThreadPoolExecutor(1) as ex:
+        running = ex.submit(httpx.post, f"{patient.url}/v1/completions", json={**COUNT, "max_tokens": 150},
+                            timeout=120)
+        time.sleep(0.5)
+        sock = _send_raw(patient, COUNT)  # waits behind the running one
+        deadline = time.time() + 10
+        while _depth(patient) < 2:
+            assert time.time() < deadline, "the second request never reached the queue"
+            time.sleep(0.05)
+        sock.close()
+        while _depth(patient) > 1 and running.running():  # it leaves at once, before the running one ends
+            time.sleep(0.05)
+        assert running.running(), "the running request ended before the queued one left: make it longer"
+        done = running.result()
+    assert done.status_code == 200, done.text
+    _wait_idle(patient)
+    assert _cancelled(patient) == cancelled + 1
+    # only the request that stayed counts its tokens: the departed one never decoded
+    stayed = done.json()["usage"]["completion_tokens"]
+    assert _metric(patient.url, "autotune:generation_tokens_total") == tokens + stayed
+
+
+def test_usage_and_token_ids_end_at_the_stop_string(pool, smollm, tmp_path):
+    """Prompt lookup accepts several tokens a round: those past the stop string are not the completion's."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    with open_storage(url) as storage:
+        sid = storage.record(strategy_key(smollm, None, "lookup", "cpu"),
+                             Strategy(drafter="prompt-lookup", draft_length=8), ResultMetrics.from_throughput(20.0))
+    storage, live = _live(pool, url)
+    lines = "".join(f"item {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 7))
+    body = {"model": MODEL, "prompt": lines + "item 7:", "max_tokens": 40, "temperature": 0, "stop": ["lazy"],
+            "autotune": {"strategy": str(sid), "return_token_ids": True}}
+    with live:
+        r = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
+    storage.close()
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids, text = out["autotune"]["token_ids"], out["choices"][0]["text"]
+    assert text == " the quick brown fox jumps over the " and out["choices"][0]["finish_reason"] == "stop", out
+    assert out["usage"]["completion_tokens"] == len(ids)
+    tok = smollm.tokenizer
+    assert "lazy" in tok.decode(ids) and "lazy" not in tok.decode(ids[:-1])  # through the token that completed it
