@@ -1,8 +1,8 @@
 """The report of an ``autotune replay`` run: figures per category and mode, the identical-output
 check across modes, a rich table, the JSON file and the tok/s-over-the-stream plot.
 
-Everything here is a pure function of replay records (no server): values with the fields of
-:class:`Record`, such as :class:`autotune.measure.replay.ReplayRecord`. Tok/s is total completion
+Everything here is a pure function of replay records
+(:class:`autotune.measure.replay.ReplayRecord`; no server). Tok/s is total completion
 tokens / total decode time (each request's tokens over its tok/s), acceptance is accepted /
 drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
 changes of the strategy label between consecutive requests of a category, and tuning counts
@@ -14,49 +14,15 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from autotune.measure.replay import ReplayRecord
 
 ALL = "all"
 """The category name of the rows over the whole stream."""
 
 
-class Record(Protocol):
-    """What the report reads of one response (:class:`autotune.measure.replay.ReplayRecord` has it)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def category(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def completion_tokens(self) -> int: ...
-    @property
-    def route(self) -> str | None: ...
-    @property
-    def strategy(self) -> str: ...
-    @property
-    def state(self) -> str: ...
-    @property
-    def drafted(self) -> int: ...
-    @property
-    def accepted(self) -> int: ...
-    @property
-    def draft_rounds(self) -> int: ...
-    @property
-    def tokens_per_s(self) -> float: ...
-    @property
-    def ttft_s(self) -> float: ...
-    @property
-    def latency_s(self) -> float: ...
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
-    @property
-    def decode_s(self) -> float: ...
-    def as_dict(self) -> dict[str, Any]: ...
-
-
-def categories(records: Sequence[Record]) -> list[str]:
+def categories(records: Sequence[ReplayRecord]) -> list[str]:
     """Categories in the order the stream first reaches them."""
     seen: dict[str, None] = {}
     for record in sorted(records, key=lambda r: r.index):
@@ -64,7 +30,7 @@ def categories(records: Sequence[Record]) -> list[str]:
     return list(seen)
 
 
-def switches(records: Sequence[Record]) -> int:
+def switches(records: Sequence[ReplayRecord]) -> int:
     """Changes of the strategy label between consecutive requests of each category, summed."""
     labels: dict[str, list[str]] = defaultdict(list)
     for record in sorted(records, key=lambda r: r.index):
@@ -72,7 +38,7 @@ def switches(records: Sequence[Record]) -> int:
     return sum(sum(a != b for a, b in zip(seq, seq[1:])) for seq in labels.values())
 
 
-def group_stats(records: Sequence[Record]) -> dict[str, Any]:
+def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
     """The figures of one group of records (one mode; one category or all)."""
     tokens = sum(r.completion_tokens for r in records)
     decode_s = sum(r.decode_s for r in records)
@@ -94,7 +60,7 @@ def group_stats(records: Sequence[Record]) -> dict[str, Any]:
     }
 
 
-def identical(records: Sequence[Record], modes: Sequence[str]) -> dict[str, Any]:
+def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str, Any]:
     """Per request: whether every mode returned the same token ids (requests some mode lacks count
     as differing)."""
     outputs: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
@@ -105,7 +71,7 @@ def identical(records: Sequence[Record], modes: Sequence[str]) -> dict[str, Any]
     return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
 
 
-def aggregate(records: Sequence[Record], modes: Sequence[str],
+def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
               route_retunes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The report: one row per (category, mode) and per mode over the whole stream (category
     :data:`ALL`), the identical-output check, and the server's re-tunes per route when it reported them."""
@@ -176,7 +142,7 @@ def _caption(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_json(report: Mapping[str, Any], records: Sequence[Record], path: Path) -> Path:
+def write_json(report: Mapping[str, Any], records: Sequence[ReplayRecord], path: Path) -> Path:
     """The report and every record (token ids included) as one JSON file, replaced whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -191,7 +157,7 @@ AXES_PX = 760  # about the axes' width in pixels at figure.DPI
 LABEL_PX = 5.5  # about one character of a 7-point band label in pixels
 
 
-def category_bands(records: Sequence[Record]) -> list[tuple[str, int, int]]:
+def category_bands(records: Sequence[ReplayRecord]) -> list[tuple[str, int, int]]:
     """(category, first index, last index) of each run of consecutive requests of one category."""
     bands: list[tuple[str, int, int]] = []
     for index, category in sorted({(r.index, r.category) for r in records}):
@@ -202,7 +168,7 @@ def category_bands(records: Sequence[Record]) -> list[tuple[str, int, int]]:
     return bands
 
 
-def replay_plot(records: Sequence[Record], modes: Sequence[str], path: Path | str) -> Path:
+def replay_plot(records: Sequence[ReplayRecord], modes: Sequence[str], path: Path | str) -> Path:
     """Tok/s of each request over the stream, one line per mode, on shaded bands labelled by
     category (as SWIFT's figure 7 shows speed over a stream of changing tasks)."""
     from matplotlib import colormaps
