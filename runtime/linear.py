@@ -4,17 +4,22 @@
 - ``mkl-packed``: float32 weights repacked by MKL for one batch width ``M``; a GEMM with exactly ``M``
   rows then costs about as much as one row on CPU (used for the target's verify pass, whose width
   is fixed by the strategy). Other widths fall back to ``F.linear`` on the original weights.
-- ``int8``: dynamic int8 (per-output-channel weights, fbgemm) for drafts only: a draft never has to
-  be exact, the target verifies every token.
+- ``int8``, ``int4``, ``w8a8``: quantised weights on torch's CPU kernels, row-invariant (a width-k
+  verify computes each row exactly as a width-1 step does), so they serve targets losslessly
+  relative to themselves; ``int8-dynamic``: fbgemm's dynamic int8, drafts only (``runtime.quant``).
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from runtime.quant import (
+    Int8DynamicLinear, Int8WeightOnlyLinear, W8A8Linear, fbgemm_available, int4_linear, int_mm_available,
+    weight_only_available,
+)
 
 
 class Linear(Protocol):
@@ -42,52 +47,48 @@ class MklPackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.width)
 
 
-class Int8DynamicLinear:
-    """Per-channel int8 weights, activations quantised on the fly (fbgemm); approximate."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        from torch.ao.nn.quantized.dynamic import Linear as QLinear
-
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; pinned torch has them
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(
-                w, scale.double(), torch.zeros_like(scale, dtype=torch.long), axis=0, dtype=torch.qint8
-            )
-        self.module = QLinear(w.shape[1], w.shape[0], bias_=bias is not None, dtype=torch.qint8)
-        self.module.set_weight_bias(qweight, None if bias is None else bias.detach().float())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x.float())
-
-
 def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def int8_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", int], Linear]
+# (weight, bias, width, prepared quantised weights or None) -> Linear
+LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", int, Any], Linear]
 
 LINEAR_BACKENDS: dict[str, LinearFactory] = {
-    "dense": lambda w, b, width: DenseLinear(w, b),
-    "mkl-packed": lambda w, b, width: MklPackedLinear(w, b, width),
-    "int8": lambda w, b, width: Int8DynamicLinear(w, b),
+    "dense": lambda w, b, width, src: DenseLinear(w, b),
+    "mkl-packed": lambda w, b, width, src: MklPackedLinear(w, b, width),
+    "int8-dynamic": lambda w, b, width, src: Int8DynamicLinear(w, b),
+    "int8": lambda w, b, width, src: Int8WeightOnlyLinear(w, b),
+    "int4": lambda w, b, width, src: int4_linear(w, b, src),
+    "w8a8": lambda w, b, width, src: W8A8Linear(w, b),
 }
 
 BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
     "dense": lambda: True,
     "mkl-packed": mkl_packing_available,
-    "int8": int8_available,
+    "int8-dynamic": fbgemm_available,
+    "int8": weight_only_available,
+    "int4": weight_only_available,
+    "w8a8": int_mm_available,
 }
 
 
-def make_linear(backend: str, weight: torch.Tensor, bias: torch.Tensor | None, width: int = 1) -> Linear:
+# the output head's backend where it differs from the projections': int4 models keep an int8 head (as
+# llama.cpp's Q4_K_M files keep a 6-bit one): the head decides the argmax, and int4 groups cost it
+# ~4% of its largest weight (SmolLM2), int8 channels ~0.4%
+HEAD_BACKENDS: dict[str, str] = {"int4": "int8"}
+
+
+def head_backend(backend: str) -> str:
+    return HEAD_BACKENDS.get(backend, backend)
+
+
+def make_linear(
+    backend: str, weight: torch.Tensor, bias: torch.Tensor | None, width: int = 1, source: Any = None
+) -> Linear:
+    """``source``: weights already quantised for ``backend`` (int4 from a GGUF file), else None."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend '{backend}'; known: {', '.join(LINEAR_BACKENDS)}")
     if not BACKEND_AVAILABLE[backend]():
         raise RuntimeError(f"linear backend '{backend}' is not available in this torch build/device")
-    return LINEAR_BACKENDS[backend](weight, bias, width)
+    return LINEAR_BACKENDS[backend](weight, bias, width, source)

@@ -12,7 +12,9 @@ import importlib.util
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ import torch
 
 from runtime.errors import RuntimeUserError
 from runtime.models import MODEL_ALIASES, HubModel, LocalModel, ModelSource, PackagedGGUF, resolve_model
+from runtime.precision import DEFAULT_PRECISION, PRECISIONS, Precision, get_precision
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable  # Python >= 3.11 (importlib.abc before)
@@ -39,10 +42,11 @@ class LoadedModel:
     """An HF causal LM module tree, its tokenizer, and where it came from."""
 
     name: str  # what the user asked for (alias, hub id or path)
-    model_id: str  # stable identity: alias@sha / hub id / path
+    model_id: str  # stable identity: alias@sha / hub id / path, then #precision unless float32
     revision: str
     hf_model: Any
     tokenizer: Any
+    precision: str = DEFAULT_PRECISION  # what arithmetic decoders of it run (runtime.precision)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,6 +67,26 @@ def parse_dtype(name: str, device: str | torch.device | None = None) -> torch.dt
     if name not in DTYPES:
         raise RuntimeUserError(f"unknown dtype '{name}'; choose one of {', '.join(DTYPES)}, {AUTO_DTYPE}")
     return DTYPES[name]
+
+
+def as_precision(precision: str | torch.dtype, device: str | torch.device) -> Precision:
+    """A precision name (``runtime.precision``), or a torch float dtype (its dense precision)."""
+    if isinstance(precision, torch.dtype):
+        found = next((p for p in PRECISIONS.values() if p.backend == "dense" and p.load_dtype == precision), None)
+        if found is None:
+            raise RuntimeUserError(f"unsupported dtype {precision}; choose a precision: {', '.join(PRECISIONS)}")
+        return found
+    if precision in DTYPES and precision not in PRECISIONS:  # fp32 / bf16 / fp16
+        return as_precision(DTYPES[precision], device)
+    return get_precision(precision, device)
+
+
+def at_precision(model: LoadedModel, precision: Precision) -> LoadedModel:
+    """``model``'s module tree served at ``precision`` (the tree must be in its load dtype); the
+    model id names the precision, so strategies tuned at one are never served at another."""
+    base = model.model_id.split("#")[0]
+    model_id = base if precision.name == DEFAULT_PRECISION else f"{base}#{precision.name}"
+    return replace(model, precision=precision.name, model_id=model_id)
 
 
 def cache_root() -> Path:
@@ -105,15 +129,9 @@ def _dequantise_to_cache(src: PackagedGGUF, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as work:
         work_dir = Path(work)
-        if len(src.chunks) == 1:
-            pkg, rel = src.chunks[0]
-            gguf_dir, gguf_name = (_package_dir(pkg, src.pip_specs) / rel).parent, Path(rel).name
-            _verify_file(gguf_dir / gguf_name, src)
-        else:
-            gguf_dir, gguf_name = work_dir, src.filename
-            _join_and_verify(src, work_dir / src.filename)
-        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        with gguf_file(src) as path:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -121,6 +139,51 @@ def _dequantise_to_cache(src: PackagedGGUF, out_dir: Path) -> None:
         model.save_pretrained(staged)
         tok.save_pretrained(staged)
         staged.rename(out_dir)
+
+
+@contextmanager
+def gguf_file(src: PackagedGGUF) -> Iterator[Path]:
+    """The packaged GGUF file, verified: in place when shipped whole, else joined into a
+    temporary file (removed afterwards)."""
+    if len(src.chunks) == 1:
+        pkg, rel = src.chunks[0]
+        path = _package_dir(pkg, src.pip_specs) / rel
+        _verify_file(path, src)
+        yield path
+        return
+    root = cache_root() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as work:
+        _join_and_verify(src, Path(work) / src.filename)
+        yield Path(work) / src.filename
+
+
+def prepare_int4(model: LoadedModel) -> None:
+    """Give ``model``'s linears their int4 weights (``runtime.gguf_int4``): from the packaged GGUF's
+    own 4-bit blocks where there are some, cached beside the float32 cache; quantised from the
+    float weights otherwise (random, local and hub models: not cached)."""
+    from runtime.gguf_int4 import CACHE_FILE, attach, int4_weights
+
+    if getattr(model.hf_model, "int4_attached", False):
+        return
+    source = None if model.revision == "random" else resolve_model(model.name)
+    if isinstance(source, PackagedGGUF):
+        cache_dir = cache_root() / "models" / f"{model.name}-{source.sha256[:12]}"
+        if (cache_dir / CACHE_FILE).exists():
+            weights = int4_weights(model.hf_model, cache_dir)
+        else:
+            with gguf_file(source) as path:
+                weights = int4_weights(model.hf_model, cache_dir, path)
+    else:
+        weights = int4_weights(model.hf_model, None)
+    attach(model.hf_model, weights)
+    model.hf_model.int4_attached = True
+
+
+def prepare_backend(model: LoadedModel, backend: str) -> None:
+    """Whatever a linear backend reads besides the float weights (int4: the GGUF's own blocks)."""
+    if backend == "int4":
+        prepare_int4(model)
 
 
 def _verify_file(path: Path, src: PackagedGGUF) -> None:
@@ -148,11 +211,13 @@ def _local_dir_for(name: str, source: ModelSource) -> tuple[str | Path, str, str
     return source.repo_id, source.repo_id, source.revision
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Load ``name`` (alias, local dir or hub id) as an HF module tree on ``device``."""
+def load_model(name: str, precision: str | torch.dtype = DEFAULT_PRECISION, device: str = "cpu") -> LoadedModel:
+    """Load ``name`` (alias, local dir or hub id) as an HF module tree on ``device``, to be served
+    at ``precision`` (a name in ``runtime.precision.PRECISIONS``, ``auto``, or a torch float dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    prec = as_precision(precision, device)
+    torch_dtype = prec.load_dtype
     source = resolve_model(name)
     where, model_id, revision = _local_dir_for(name, source)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
@@ -164,7 +229,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     except OSError as exc:
         raise RuntimeUserError(f"could not load model '{name}' from {where}: {str(exc).splitlines()[0]}") from exc
     model.to(device).eval()
-    return LoadedModel(name=name, model_id=model_id, revision=revision, hf_model=model, tokenizer=tok)
+    return at_precision(LoadedModel(name=name, model_id=model_id, revision=revision, hf_model=model, tokenizer=tok), prec)
 
 
 def packaged_configs() -> dict[str, Traversable]:
@@ -200,13 +265,14 @@ def model_config(name: str) -> Any:
 
 
 def random_model(
-    name: str, dtype: str | torch.dtype = "float32", device: str = "cpu", seed: int = 0
+    name: str, precision: str | torch.dtype = DEFAULT_PRECISION, device: str = "cpu", seed: int = 0
 ) -> LoadedModel:
     """A model of ``name``'s exact shape with seeded random weights, built from its config alone
     (no weights, no tokenizer: ``tokenizer`` is None). Its tokens are meaningless; its costs are real."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = parse_dtype(dtype, device) if isinstance(dtype, str) else dtype
+    prec = as_precision(precision, device)
+    torch_dtype = prec.load_dtype
     config = model_config(name)
     dev = torch.device(device)
     # seeded, leaving the caller's random state as it was
@@ -216,7 +282,8 @@ def random_model(
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # random tokens: no sequence ends early, every method decodes the budget
-    return LoadedModel(name=name, model_id=f"{name}@random:{seed}", revision="random", hf_model=model, tokenizer=None)
+    loaded = LoadedModel(name=name, model_id=f"{name}@random:{seed}", revision="random", hf_model=model, tokenizer=None)
+    return at_precision(loaded, prec)
 
 
 def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:

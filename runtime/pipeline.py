@@ -12,8 +12,11 @@ from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
-from runtime.loading import LoadedModel, check_vocab_compatible, load_model, parse_dtype, random_model
+from runtime.loading import (
+    LoadedModel, as_precision, at_precision, check_vocab_compatible, load_model, prepare_backend, random_model,
+)
 from runtime.lookup import PromptLookupDrafter
+from runtime.precision import PRECISIONS, draft_precision
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
 
@@ -29,7 +32,8 @@ class ModelPool:
     device: str = "cpu"
     compile: bool = False
     random_weights: bool = False  # build models from their configs with seeded random weights (costs only)
-    _models: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)
+    _models: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # by (name, precision)
+    _trees: dict[tuple[str, torch.dtype], LoadedModel] = field(default_factory=dict)  # loaded once per dtype
     # target wrappers whose weights were repacked, by (model, backend, width): one copy each
     _prepared: dict[tuple[int, str, int | None], CausalLM] = field(default_factory=dict)
 
@@ -37,6 +41,7 @@ class ModelPool:
         """A wrapper of ``target`` executing with ``backend`` packed for ``width`` rows (shared)."""
         key = (id(target.hf_model), backend, width)
         if key not in self._prepared:
+            prepare_backend(target, backend)
             lm = CausalLM(target.hf_model)
             lm.use_linear_backend(backend, width)
             self._prepared[key] = lm
@@ -51,6 +56,7 @@ class ModelPool:
         head = min(draft_vocab or full, target_vocab, full)
         key = (id(draft.hf_model), f"draft-{backend}", head)
         if key not in self._prepared:
+            prepare_backend(draft, backend)
             lm = CausalLM(draft.hf_model)
             lm.restrict_head(head)
             lm.use_linear_backend(backend)
@@ -59,13 +65,31 @@ class ModelPool:
         shared.share_linears_from(self._prepared[key])
         return shared
 
-    def get(self, name: str, dtype: str | torch.dtype) -> LoadedModel:
-        torch_dtype = parse_dtype(dtype, self.device) if isinstance(dtype, str) else dtype
-        key = (name, torch_dtype)
+    def get(self, name: str, precision: str | torch.dtype) -> LoadedModel:
+        """``name`` at ``precision`` (a name, ``auto`` or a torch float dtype). Precisions that
+        load the same dtype share one module tree (int4 and float32 both read float32 weights)."""
+        prec = as_precision(precision, self.device)
+        key = (name, prec.name)
         if key not in self._models:
-            load = random_model if self.random_weights else load_model
-            self._models[key] = load(name, torch_dtype, self.device)
+            tree_key = (name, prec.load_dtype)
+            if tree_key not in self._trees:
+                load = random_model if self.random_weights else load_model
+                self._trees[tree_key] = load(name, prec.load_dtype, self.device)
+            self._models[key] = at_precision(self._trees[tree_key], prec)
         return self._models[key]
+
+    def served(self, target: LoadedModel) -> CausalLM:
+        """A wrapper of ``target`` running its precision's linear backend at every width (the
+        quantised weights made once and shared; float precisions: a fresh dense wrapper)."""
+        backend = PRECISIONS[target.precision].backend
+        if backend == "dense":
+            return CausalLM(target.hf_model)
+        if self.compile:
+            raise RuntimeUserError(
+                f"precision {target.precision} cannot be compiled (its GEMMs are opaque to torch.compile); "
+                "use --precision float32 or bfloat16 with --compile"
+            )
+        return self.target_for_width(target, backend, 1)
 
 
 DrafterFactory = Callable[[ModelPool, LoadedModel, "str | None", Strategy, CausalLM], "Drafter | None"]
@@ -80,10 +104,10 @@ def _model_drafter(
 ) -> Drafter:
     if draft_name is None:
         raise RuntimeUserError("strategy drafter 'draft-model' needs a draft model; pass --draft MODEL")
-    precision = resolve_precision(s.draft_precision, pool.device, pool.compile)
-    draft = pool.get(draft_name, PRECISION_LOAD_DTYPE[precision])
+    precision = draft_precision(s.draft_precision, pool.device, pool.compile)
+    draft = pool.get(draft_name, precision.name)
     check_vocab_compatible(target, draft)
-    draft_lm = pool.draft_wrapper(draft, PRECISION_BACKEND[precision], s.draft_vocab, lm.dims.vocab)
+    draft_lm = pool.draft_wrapper(draft, precision.backend, s.draft_vocab, lm.dims.vocab)
     if s.layer_plan is not None:
         check_plan_fits(s.layer_plan, draft_lm.dims.n_layers, f"draft model {draft_name}")
     if pool.compile:
@@ -105,46 +129,9 @@ def _self_drafter(
     return SelfDrafter(lm, s.layer_plan, shape=tree_shape(s))
 
 
-# draft precision -> (dtype the weights are loaded in, linear backend that runs them)
-PRECISION_LOAD_DTYPE: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32,
-}
-PRECISION_BACKEND: dict[str, str] = {"float32": "dense", "bfloat16": "dense", "int8": "int8"}
-AUTO_PRECISION: dict[str, str] = {"cpu": "int8", "cuda": "bfloat16", "mps": "bfloat16"}
-
-
-# draft precision -> the device kinds its linear backend runs on (None: any)
-PRECISION_DEVICES: dict[str, tuple[str, ...] | None] = {
-    "float32": None, "bfloat16": None, "int8": ("cpu",),  # int8 is fbgemm's CPU kernel
-}
-
-
-def resolve_precision(precision: str, device: str, compiled: bool = False) -> str:
-    """``auto`` -> the measured best draft precision for the device kind (compiled: the device's
-    float type, since int8 GEMMs are opaque to the compiler); a precision the device cannot run
-    is one clear error here, before any model loads."""
-    kind = torch.device(device).type
-    if precision == "auto":
-        if kind not in AUTO_PRECISION:
-            raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
-        auto = AUTO_PRECISION[kind]
-        return "float32" if compiled and PRECISION_BACKEND[auto] != "dense" else auto
-    if compiled and PRECISION_BACKEND.get(precision, "dense") != "dense":
-        raise RuntimeUserError(
-            f"--draft-precision {precision} cannot be compiled (its GEMMs are opaque to torch.compile); "
-            "use --draft-precision auto, float32 or bfloat16 with --compile"
-        )
-    devices = PRECISION_DEVICES.get(precision)
-    if devices is not None and kind not in devices:
-        raise RuntimeUserError(
-            f"--draft-precision {precision} runs only on {', '.join(devices)} (device is '{device}'); "
-            f"use --draft-precision auto or bfloat16 on {kind}"
-        )
-    return precision
-
-
-def draft_load_dtype(strategy: Strategy, device: str, compiled: bool = False) -> torch.dtype:
-    return PRECISION_LOAD_DTYPE[resolve_precision(strategy.draft_precision, device, compiled)]
+def draft_load_precision(strategy: Strategy, device: str, compiled: bool = False) -> str:
+    """The precision name the strategy's draft model is loaded at (``ModelPool.get``)."""
+    return draft_precision(strategy.draft_precision, device, compiled).name
 
 
 def verify_backend(device: str) -> str:
@@ -174,7 +161,7 @@ def build_decoder(
     one width, hence one packed copy of the target, for every strategy it tries). ``standby``:
     strategies of other drafter kinds whose drafters the decoder keeps following the sequence,
     so that ``Decoder.apply`` can switch to them while decoding (the online tuner's joint space)."""
-    lm = CausalLM(target.hf_model)
+    lm = pool.served(target)
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
     if drafter is None and not standby:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(_compiled(lm, pool))
@@ -188,7 +175,7 @@ def build_decoder(
     waiting = {s.drafter: s for s in standby if s.speculates and s.drafter != first.drafter}
     others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
     backend = verify_backend(pool.device)
-    if backend != "dense" and lm.dtype == torch.float32 and not pool.compile:
+    if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32 and not pool.compile:
         lm = pool.target_for_width(target, backend, width)
     decoder = Decoder(_compiled(lm, pool), active, first.draft_length, verify_width=width, kind=first.drafter)
     decoder.standby.update(others)

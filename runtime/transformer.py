@@ -21,7 +21,7 @@ from runtime.compiled import bucketed, compile_step, note_step, run_step, step_k
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.linear import Linear, make_linear
+from runtime.linear import Linear, head_backend, make_linear
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -131,7 +131,7 @@ class CausalLM:
         """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
         self.backend, self.width = backend, width
         self.linears = [
-            {name: make_linear(backend, mod.weight, mod.bias, width) for name, mod in _projections(layer)}
+            {name: make_linear(backend, mod.weight, mod.bias, width, _source(mod)) for name, mod in _projections(layer)}
             for layer in self.layers
         ]
         self.head = self._build_head()
@@ -157,10 +157,13 @@ class CausalLM:
 
     def _build_head(self) -> Linear:
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+        source = _source(self.lm_head)
         if self.head_rows is not None:
             w = w[: self.head_rows].contiguous()
             b = None if b is None else b[: self.head_rows].contiguous()
-        return make_linear(self.backend, w, b, self.width)
+            source = None if source is None else source.rows(self.head_rows)
+        backend = head_backend(self.backend)
+        return make_linear(backend, w, b, self.width, source if backend == self.backend else None)
 
     def new_cache(self, capacity: int) -> KVCache:
         if self.is_compiled:  # one cache shape (hence one graph set) for many prompts
@@ -279,6 +282,11 @@ def _rows_key(rows: slice | torch.Tensor | None) -> Any:
     if isinstance(rows, slice):
         return (rows.start, rows.stop, rows.step)
     return None if rows is None else tuple(rows.shape)
+
+
+def _source(mod: Any) -> Any:
+    """Prepared quantised weights of a linear module (``runtime.loading.prepare_int4``), if any."""
+    return getattr(mod, "int4_weights", None)
 
 
 def _projections(layer: Any) -> list[tuple[str, Any]]:

@@ -15,7 +15,7 @@ from search_spaces.layer_plan import LayerPlan
 SCHEMA_VERSION = 1
 
 DRAFTER_KINDS = ("none", "draft-model", "layer-skip", "prompt-lookup")
-DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
+DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8", "int4", "w8a8")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
 LOOKUP_FIRST_MIN_NGRAM = 3  # `lookup_first` copies only after a match of this many tokens (short ones copy noise)
@@ -40,7 +40,7 @@ class Strategy:
       after each verification the draft's fuzzy KV rows are discarded and accepted + bonus tokens
       re-run exactly in one forward. Off only for ablations.
     - ``draft_length``: tokens drafted per round (gamma).
-    - ``draft_precision``: arithmetic of the draft (``auto`` = int8 on CPU, bfloat16 on GPU). Only
+    - ``draft_precision``: arithmetic of the draft (``runtime.precision``; ``auto`` = the fastest draft step measured on the device kind). Only
       the target must be exact, so a low-precision draft stays lossless: the target verifies
       every token.
     - ``confidence_threshold``: stop a draft chain early once the draft's top-1 probability

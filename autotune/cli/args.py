@@ -15,8 +15,11 @@ from autotune.errors import CliError
 MODEL_FLAGS: dict[str, dict[str, Any]] = {
     "model": {"required": True, "help": "target: alias, local directory or hub id"},
     "draft": {"help": "draft model of the same family (alias, directory or hub id)"},
-    "dtype": {"default": "float32",
-              "help": "target dtype: float32 (default: lossless checks), bfloat16, or auto (bf16 on CUDA, fp32 on CPU)"},
+    "precision": {"aliases": ("--dtype",), "default": "float32",
+                  "help": "target arithmetic: float32 (identical to Hugging Face float32), bfloat16, int8, int4 "
+                          "(weight-only, bf16 activations), w8a8 (int8 weights and activations), or auto (int4 on "
+                          "CPU, bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "
+                          "precision. --dtype is the same flag"},
     "device": {"default": "cpu"},
     "compile": {"action": "store_true",
                 "help": "compile our decode steps (torch.compile fullgraph; CUDA graphs on CUDA); first steps pay the "
@@ -32,7 +35,7 @@ PROMPT_FLAGS: dict[str, dict[str, Any]] = {
 }
 STRATEGY_FLAGS: dict[str, dict[str, Any]] = {
     "draft_length": {"type": int, "help": "tokens drafted per round (strategy default if unset)"},
-    "draft_precision": {"help": "draft arithmetic: auto, float32, bfloat16, int8 (strategy default if unset)"},
+    "draft_precision": {"help": "draft arithmetic: auto, float32, bfloat16, int8, int4, w8a8 (strategy default if unset)"},
     "draft_vocab": {"type": int, "help": "restrict the draft head to ids < N (0 = full head)"},
     "confidence_threshold": {"type": float, "help": "stop drafting below this top-1 probability"},
     "tree_widths": {"help": "draft a token tree: children per node at each depth, e.g. 4,2,2,1,1"},
@@ -53,11 +56,13 @@ def add_flags(p: Any, table: Mapping[str, Mapping[str, Any]], names: Sequence[st
     if unused:
         raise ValueError(f"changes to flag {unused[0]!r}, which is not added; adding {', '.join(names)}")
     for name in names:
-        p.add_argument(f"--{name.replace('_', '-')}", **{**table[name], **changes.get(name, {})})
+        settings = {**table[name], **changes.get(name, {})}
+        aliases = settings.pop("aliases", ())
+        p.add_argument(f"--{name.replace('_', '-')}", *aliases, **settings)
 
 
 def add_model_args(p: Any, names: Sequence[str] | None = None, **changes: Mapping[str, Any]) -> None:
-    """``--model --draft --dtype --device --compile`` (or ``names`` of them, in that order)."""
+    """``--model --draft --precision --device --compile`` (or ``names`` of them, in that order)."""
     add_flags(p, MODEL_FLAGS, names, changes)
 
 

@@ -55,14 +55,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts, cfg = fitting_prompts(args, pool, target, items)
     ctx = BenchContext(
-        pool=pool, target=target, draft_name=args.draft, dtype=args.dtype, strategy=strategy,
+        pool=pool, target=target, draft_name=args.draft, dtype=args.precision, strategy=strategy,
         lp_size=args.lp_size, skip_ratio=args.skip_ratio, task=args.task, storage=args.storage,
         verify_width=SHARED_WIDTH if args.shared_width else None,
     )
     report = run_bench(ctx, methods, [ids for _, ids in prompts], cfg)
     report["config"] = {
         "model": target.model_id, "draft": args.draft, "task": args.task, "limit": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "strategy": strategy.to_dict(),
+        "max_new_tokens": args.max_new_tokens, "dtype": args.precision, "strategy": strategy.to_dict(),
         "compile": args.compile, "random_weights": args.random_weights,
         "threads": __import__("torch").get_num_threads(),
     }

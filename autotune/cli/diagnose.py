@@ -13,8 +13,8 @@ from autotune.errors import CliError
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("diagnose", help="EasySpec table 5: cosine similarity of exact vs. fuzzy attention states")
-    add_model_args(p, ["model", "dtype", "device"], model={"help": "model: alias, local directory or hub id"},
-                   dtype={"help": None})
+    add_model_args(p, ["model", "precision", "device"], model={"help": "model: alias, local directory or hub id"},
+                   precision={"help": None})
     add_prompt_args(p, ["prompt", "task", "data", "limit", "offset"], limit={"help": "prompts of the task to run"})
     p.add_argument("--lp-size", default="2,3,4", help="comma list of layer-parallel sizes (each >= 2)")
     p.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
@@ -32,11 +32,11 @@ def run(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CliError(f"--limit must be at least 1, got {args.limit}")
     items = prompt_items(args)
-    model = ModelPool(device=args.device).get(args.model, args.dtype)
+    model = ModelPool(device=args.device).get(args.model, args.precision)
     prompts = tokenize(items, model.tokenizer)
     report = diagnose(CausalLM(model.hf_model), [ids for _, ids in prompts], lp_sizes)
     report["config"] = {"model": model.model_id, "task": args.task, "prompt_ids": [pid for pid, _ in prompts],
-                        "dtype": args.dtype}
+                        "dtype": args.precision}
     print(format_table(report, title=args.model))
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2))

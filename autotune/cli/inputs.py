@@ -123,16 +123,19 @@ def chosen_strategy(args: argparse.Namespace, target: Any, built: Any) -> Any:
 
 def load_models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(model pool, target, strategy): the target and the draft loaded, their vocabularies checked."""
-    from runtime.pipeline import ModelPool, draft_load_dtype
+    from runtime.pipeline import ModelPool, draft_load_precision
+
+    from runtime.precision import get_precision
 
     strategy = build_strategy(args)
+    get_precision(args.precision, args.device, args.compile)  # a precision the device cannot run: before any load
     if args.draft:  # a draft precision the device cannot run fails before any load
-        draft_load_dtype(strategy, args.device, args.compile)
+        draft_load_precision(strategy, args.device, args.compile)
     pool = ModelPool(device=args.device, compile=args.compile, random_weights=getattr(args, "random_weights", False))
-    target = pool.get(args.model, args.dtype)
+    target = pool.get(args.model, args.precision)
     strategy = chosen_strategy(args, target, strategy)
     if args.draft:
         from runtime.loading import check_vocab_compatible
 
-        check_vocab_compatible(target, pool.get(args.draft, draft_load_dtype(strategy, args.device, args.compile)))
+        check_vocab_compatible(target, pool.get(args.draft, draft_load_precision(strategy, args.device, args.compile)))
     return pool, target, strategy

@@ -6,13 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.args import add_model_args, int_list
+from autotune.errors import CliError
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="time our runtime's plain, verify-by-width and draft-by-plan steps")
-    add_model_args(p, ["model", "draft", "device", "dtype"],
+    add_model_args(p, ["model", "draft", "device", "precision"],
                    draft={"help": "draft model (default: the target drafts for itself)"},
-                   dtype={"default": "auto", "help": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, ..."})
+                   precision={"default": "auto",
+                              "help": "precision(s) to time, comma-separated, e.g. float32,int4,w8a8 (default: auto, "
+                                      "int4 on CPU and bfloat16 on CUDA); one table each, then a comparison by rows"})
     p.add_argument("--random-weights", action="store_true",
                    help="build the models from their configs with random weights (no weights needed)")
     p.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")
@@ -24,14 +27,24 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune.measure.bench import write_report
-    from autotune.measure.profile import ProfileSettings, format_table, run_profile
+    from autotune.measure.profile import ProfileSettings, format_comparison, format_table, run_profile
 
     given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
     sizes = {k: tuple(int_list(flag, text)) for k, (flag, text) in given.items() if text}
     timing = {"min_run_time": args.min_time} if args.min_time is not None else {}
     settings = ProfileSettings(**sizes, **timing, compile=args.compile)
-    report = run_profile(args.model, args.draft, args.device, args.dtype, args.random_weights, settings)
-    print(format_table(report))
+    from runtime.pipeline import ModelPool
+
+    names = [name.strip() for name in args.precision.split(",") if name.strip()]
+    if not names:
+        raise CliError(f"--precision takes one or more precisions like int4 or float32,int4, got {args.precision!r}")
+    pool = ModelPool(device=args.device, random_weights=args.random_weights)
+    reports = []
+    for name in names:
+        reports.append(run_profile(args.model, args.draft, args.device, name, args.random_weights, settings, pool))
+        print(format_table(reports[-1]))
+    if len(reports) > 1:
+        print(format_comparison(reports))
     if args.json_out:
-        write_report(report, args.json_out)
+        write_report(reports[0] if len(reports) == 1 else {"precisions": reports}, args.json_out)
     return 0

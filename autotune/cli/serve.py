@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         new_route_requests=args.new_route_requests, recheck_plain_requests=args.recheck_plain_requests,
     ) if args.adaptive else None
     return serve(ServeConfig(
-        model=args.model, draft=args.draft, dtype=args.dtype, device=args.device, compile=args.compile,
+        model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
         adaptive=adaptive, limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,

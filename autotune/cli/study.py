@@ -14,11 +14,11 @@ from autotune.errors import CliError
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("study", help="decode a task while tuning the strategy online; store the best")
-    add_model_args(p, ["model", "draft", "dtype", "device"],
+    add_model_args(p, ["model", "draft", "precision", "device"],
                    model={"required": False,
                           "help": "target (default: the packaged qwen2.5-coder-1.5b with its 0.5b draft)"},
                    draft={"help": "draft model of the same family (default space then: easyspec)"},
-                   dtype={"help": None})
+                   precision={"help": None})
     add_prompt_args(p, ["task", "data", "limit", "offset", "max_new_tokens"],
                     task={"help": "task name: gsm8k, humaneval (default), mt-bench, prompts"},
                     limit={"default": 10}, offset={"help": None})
@@ -92,7 +92,7 @@ def _run_study(args: argparse.Namespace, space: Any, settings: Any) -> Any:
     items = prompt_items(args)
     with open_storage(args.storage) as storage:  # an unreachable store fails before any load
         pool = ModelPool(device=args.device)
-        target = pool.get(args.model, args.dtype)
+        target = pool.get(args.model, args.precision)
         if args.draft:
             from runtime.loading import check_vocab_compatible
 

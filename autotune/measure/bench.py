@@ -14,7 +14,7 @@ from tqdm import tqdm
 from runtime.compiled import bucketed
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.pipeline import ModelPool, build_decoder, draft_load_dtype
+from runtime.pipeline import ModelPool, build_decoder, draft_load_precision
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
@@ -149,7 +149,7 @@ def _easyspec_strategy(ctx: BenchContext) -> Strategy:
     if ctx.draft_name is None:
         raise CliError("method 'easyspec' needs a draft model; pass --draft MODEL")
     lp = int(ctx.options.get("lp", ctx.lp_size))
-    n_layers = ctx.pool.get(ctx.draft_name, draft_load_dtype(ctx.strategy, ctx.pool.device, ctx.pool.compile)).hf_model.config.num_hidden_layers
+    n_layers = ctx.pool.get(ctx.draft_name, draft_load_precision(ctx.strategy, ctx.pool.device, ctx.pool.compile)).hf_model.config.num_hidden_layers
     calibrate = ctx.options.get("cal", "on" if ctx.strategy.calibrate else "off") == "on"
     return replace(ctx.strategy, layer_plan=easyspec_plan(n_layers, lp), calibrate=calibrate,
                    lookup_first=ctx.options.get("lookup") == "on")

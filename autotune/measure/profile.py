@@ -25,8 +25,9 @@ from torch.utils.benchmark import Timer
 
 from autotune.errors import CliError
 from runtime.kv_cache import KVCache
-from runtime.loading import LoadedModel, load_model, parse_dtype, random_model
-from runtime.pipeline import verify_backend
+from runtime.loading import LoadedModel, prepare_backend
+from runtime.pipeline import ModelPool, verify_backend
+from runtime.precision import PRECISIONS, get_precision
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan
 
@@ -116,9 +117,22 @@ def _timed(
     return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
 
 
-def verify_lm(target: LoadedModel, width: int, compiled: bool = False) -> CausalLM:
+def served_lm(model: LoadedModel) -> CausalLM:
+    """``model`` as a plain step runs it: its precision's linear backend (dense for float ones)."""
+    lm = CausalLM(model.hf_model)
+    backend = PRECISIONS[model.precision].backend
+    if backend != "dense":
+        prepare_backend(model, backend)
+        lm.use_linear_backend(backend)
+    return lm
+
+
+def verify_lm(target: LoadedModel, width: int, compiled: bool = False, served: CausalLM | None = None) -> CausalLM:
     """The target as a decoder verifying ``width`` rows runs it (``runtime.pipeline.build_decoder``):
-    float32 weights packed for the width on CPU (unless compiled), the model's own weights elsewhere."""
+    a quantised precision's one kernel family at every width; float32 weights packed for the width on
+    CPU (unless compiled); the model's own weights elsewhere."""
+    if PRECISIONS[target.precision].quantised:
+        return served if served is not None else served_lm(target)
     lm = CausalLM(target.hf_model)
     backend = verify_backend(str(lm.device))
     if width > 1 and backend != "dense" and lm.dtype == torch.float32 and not compiled:
@@ -128,8 +142,10 @@ def verify_lm(target: LoadedModel, width: int, compiled: bool = False) -> Causal
 
 def profile_target(target: LoadedModel, s: ProfileSettings) -> tuple[StepTime, list[StepTime]]:
     """The plain step and the verify step at every width (one packed copy of the weights at a time)."""
-    plain = _timed("plain", target.name, CausalLM(target.hf_model), 1, None, "none", s)
-    verify = [_timed("verify", target.name, verify_lm(target, w, s.compile), w, None, "none", s) for w in sorted(set(s.widths))]
+    served = served_lm(target)
+    plain = _timed("plain", target.name, served, 1, None, "none", s)
+    verify = [_timed("verify", target.name, verify_lm(target, w, s.compile, served), w, None, "none", s)
+              for w in sorted(set(s.widths))]
     return plain, verify
 
 
@@ -139,7 +155,7 @@ def draft_plans(n_layers: int, lp_sizes: tuple[int, ...]) -> list[tuple[str, Lay
 
 def profile_draft(drafting: LoadedModel, plain_ms: float, s: ProfileSettings) -> list[StepTime]:
     """The draft step under each plan, with c = its time / the plain target step."""
-    lm = CausalLM(drafting.hf_model)
+    lm = served_lm(drafting)
     out = []
     for label, plan in draft_plans(lm.dims.n_layers, s.lp_sizes):
         row = _timed("draft", drafting.name, lm, 1, plan, label, s)
@@ -148,26 +164,23 @@ def profile_draft(drafting: LoadedModel, plain_ms: float, s: ProfileSettings) ->
     return out
 
 
-def load_for_profile(name: str, dtype: torch.dtype, device: str, random_weights: bool, seed: int) -> LoadedModel:
-    if random_weights:
-        return random_model(name, dtype, device, seed)
-    return load_model(name, dtype, device)
-
-
 def run_profile(
-    model: str, draft: str | None, device: str, dtype: str, random_weights: bool, s: ProfileSettings
+    model: str, draft: str | None, device: str, precision: str, random_weights: bool, s: ProfileSettings,
+    pool: ModelPool | None = None,
 ) -> dict[str, Any]:
-    """Load (or build) the models, time every step kind, return the report."""
+    """Load (or build) the models at ``precision``, time every step kind, return the report.
+    ``pool``: reuse its loaded module trees (several precisions of one model load it once)."""
     check_device(device)
-    torch_dtype = parse_dtype(dtype, device)
-    target = load_for_profile(model, torch_dtype, device, random_weights, s.seed)
+    prec = get_precision(precision, device, s.compile)
+    pool = pool or ModelPool(device=device, random_weights=random_weights)
+    target = pool.get(model, prec.name)
     plain, verify = profile_target(target, s)
-    drafting = load_for_profile(draft, torch_dtype, device, random_weights, s.seed) if draft else target
+    drafting = pool.get(draft, prec.name) if draft else target
     drafts = profile_draft(drafting, plain.ms, s)
     return {
         "config": {
             "model": target.model_id, "draft": drafting.model_id if draft else None, "device": device,
-            "dtype": str(torch_dtype).removeprefix("torch."), "random_weights": random_weights,
+            "dtype": prec.name, "precision": prec.name, "random_weights": random_weights,
             "context": s.context, "widths": sorted(set(s.widths)), "lp_sizes": sorted(set(s.lp_sizes)),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "device_name": device_name(device),
             "compile": s.compile,
@@ -213,6 +226,28 @@ def format_table(report: dict[str, Any]) -> str:
             f"{ratio:.2f}" + (" (c)" if row["kind"] == "draft" else ""), row["backend"],
         )
     console = Console(width=120, record=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get()
+
+
+def format_comparison(reports: list[dict[str, Any]]) -> str:
+    """The target's step by rows at each precision, in ms and as a ratio to the first precision's."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = reports[0]
+    table = Table(title=f"target step by rows: ms (x {base['config']['precision']}) at each precision")
+    table.add_column("rows", justify="right")
+    for r in reports:
+        table.add_column(r["config"]["precision"], justify="right")
+    for i, row in enumerate([base["plain"], *base["verify"]]):
+        cells = []
+        for r in reports:
+            ms = [r["plain"], *r["verify"]][i]["ms"]
+            cells.append(f"{ms:.2f} ({row['ms'] / ms:.2f}x)")
+        table.add_row(f"{row['rows']}" + (" plain" if i == 0 else ""), *cells)
+    console = Console(width=160, record=True)
     with console.capture() as cap:
         console.print(table)
     return cap.get()

@@ -20,7 +20,7 @@ def _no_weights(*args, **kwargs):
 def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))  # no cached weights either
     monkeypatch.setattr("runtime.loading._package_dir", _no_weights)
-    monkeypatch.setattr("autotune.measure.profile.load_model", _no_weights)
+    monkeypatch.setattr("runtime.pipeline.load_model", _no_weights)
     out = tmp_path / "profile.json"
     code = main([
         "profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,4", "--lp-size", "2",
@@ -29,7 +29,7 @@ def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch)
     assert code == 0
     report = json.loads(out.read_text())
     cfg = report["config"]
-    assert cfg["random_weights"] and cfg["dtype"] == "float32" and cfg["device"] == "cpu"  # auto on CPU: fp32
+    assert cfg["random_weights"] and cfg["precision"] == "int4" and cfg["device"] == "cpu"  # auto on CPU: int4
     assert cfg["widths"] == [1, 4] and cfg["lp_sizes"] == [2] and cfg["context"] == 256
     steps = [report["plain"], *report["verify"], *report["draft"]]
     for step in steps:
@@ -48,7 +48,7 @@ def test_profile_random_weights_writes_every_step(tmp_path, capsys, monkeypatch)
 def test_profile_with_a_draft_times_the_draft(monkeypatch):
     from autotune.measure.profile import ProfileSettings, run_profile
 
-    monkeypatch.setattr("autotune.measure.profile.load_model", _no_weights)
+    monkeypatch.setattr("runtime.pipeline.load_model", _no_weights)
     settings = ProfileSettings(widths=(2,), lp_sizes=(3,), context=16, min_run_time=0.01)
     report = run_profile("smollm2-135m", "smollm2-135m", "cpu", "float32", True, settings)
     assert report["config"]["draft"] == "smollm2-135m@random:0"
@@ -156,3 +156,26 @@ def test_cost_model_timing_waits_for_cuda_kernels(monkeypatch):
     calls.clear()
     _timed(lambda: calls.append("step"), repeats=2, device=torch.device("cpu"))
     assert calls == ["step"] * 3
+
+
+def test_profile_compares_precisions_by_rows(tmp_path, capsys, monkeypatch):
+    """``--precision a,b``: one report per precision (one module tree: float32 and w8a8 both load
+    float32 weights), and a table of the target step by rows at each."""
+    monkeypatch.setattr("runtime.pipeline.load_model", _no_weights)
+    out = tmp_path / "profile.json"
+    code = main([
+        "profile", "--model", "smollm2-135m", "--random-weights", "--widths", "1,4", "--lp-size", "2",
+        "--min-time", "0.02", "--precision", "float32,w8a8", "--json", str(out),
+    ])
+    assert code == 0
+    reports = json.loads(out.read_text())["precisions"]
+    assert [r["config"]["precision"] for r in reports] == ["float32", "w8a8"]
+    assert {v["backend"] for v in reports[1]["verify"]} == {"w8a8"}
+    assert "mkl-packed" in {v["backend"] for v in reports[0]["verify"]} or not torch.backends.mkl.is_available()
+    assert "target step by rows" in capsys.readouterr().out
+
+
+def test_profile_refuses_an_unknown_precision(capsys):
+    code = main(["profile", "--model", "smollm2-135m", "--random-weights", "--precision", "int3"])
+    assert code == 2
+    assert "unknown precision 'int3'" in capsys.readouterr().err

@@ -110,6 +110,17 @@ def _int8_draft(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
     return Case(model_decoder(target, draft, CHAIN), target)
 
 
+def _quantised_target(backend: str, shape: TreeShape) -> Builder:
+    """A quantised target (row-invariant kernels at every width): speculation must reproduce the
+    distribution of the quantised model it serves, which is also the reference."""
+    def build(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
+        target = CausalLM(m["target"])
+        target.use_linear_backend(backend)
+        return Case(model_decoder(target, CausalLM(m["draft"]), shape), target, checks=dict(branched=shape.max_nodes() > 3))
+
+    return build
+
+
 def _restricted_head(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
     target, draft = CausalLM(m["target"]), CausalLM(m["draft"])
     draft.restrict_head(HEAD)
@@ -195,6 +206,8 @@ MODES: dict[str, Builder] = {
     "easyspec-uncalibrated": _easyspec(calibrate=False),
     "self-draft-skip": _self_draft,
     "int8-draft": _int8_draft,
+    "int4-target-chain": _quantised_target("int4", CHAIN),
+    "w8a8-target-tree": _quantised_target("w8a8", TREE),
     "restricted-draft-head": _restricted_head,
     "prompt-lookup": _prompt_lookup,
     "lookup-first-draft-model": _lookup_first(CHAIN),

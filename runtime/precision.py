@@ -1,0 +1,90 @@
+"""Precisions: what arithmetic a model runs in. One registry for targets and drafts, one place for
+the defaults.
+
+A precision fixes the dtype of the module tree (embeddings, norms, attention, the KV cache) and the
+linear backend of every projection and the head (``runtime.linear``). The quantised ones keep the
+tree in float32 and run the projections on torch's CPU kernels, whose rows are invariant to the
+number of rows in a call (``runtime.quant``): every width of a model, plain steps and verifies, is
+computed by one kernel family, so speculative greedy output equals plain greedy output *at that
+precision*. ``float32`` is identical to Hugging Face's float32 forward; the others are not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import RuntimeUserError
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    load_dtype: torch.dtype  # the module tree (embeddings, norms, attention, KV cache)
+    backend: str  # the linear backend of every projection and the head, every width
+    devices: tuple[str, ...] | None = None  # device kinds with a kernel (None: any)
+    summary: str = ""
+
+    @property
+    def quantised(self) -> bool:
+        return self.backend != "dense"
+
+PRECISIONS: dict[str, Precision] = {
+    "float32": Precision("float32", torch.float32, "dense", summary="exact Hugging Face float32 arithmetic"),
+    "bfloat16": Precision("bfloat16", torch.bfloat16, "dense", summary="bf16 weights and activations"),
+    "float16": Precision("float16", torch.float16, "dense", summary="fp16 weights and activations"),
+    "int8": Precision("int8", torch.float32, "int8", ("cpu",), "int8 weights per channel, bf16 activations"),
+    "int4": Precision("int4", torch.float32, "int4", ("cpu",), "int4 weights in groups of 32, bf16 activations"),
+    "w8a8": Precision("w8a8", torch.float32, "w8a8", ("cpu",), "int8 weights, int8 activations per token"),
+}
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+AUTO = "auto"
+# ``auto`` per device kind: the fastest precision that is exact relative to itself for speculative
+# decoding, as measured (docs/benchmarks.md); bf16 where the GPU's kernels are fast
+AUTO_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "xpu": "bfloat16", "mps": "bfloat16"}
+# drafts never have to be exact: ``auto`` picks the fastest draft step measured per device kind
+AUTO_DRAFT_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "mps": "bfloat16"}
+DEFAULT_PRECISION = "float32"  # the library default: identity with Hugging Face float32
+
+
+def precision_names() -> str:
+    return ", ".join([*PRECISIONS, AUTO])
+
+
+def get_precision(name: str, device: str | torch.device, compiled: bool = False, what: str = "--precision") -> Precision:
+    """A precision name (or alias, or ``auto``) -> the ``Precision`` the device runs; anything the
+    device cannot run is one clear error here, before any model loads."""
+    kind = torch.device(device).type
+    if name == AUTO:
+        if kind not in AUTO_PRECISION:
+            raise RuntimeUserError(f"no automatic precision for device '{device}'; pass {what} float32 or bfloat16")
+        name = AUTO_PRECISION[kind]
+        if compiled and PRECISIONS[name].backend != "dense":
+            name = "float32"
+    name = ALIASES.get(name, name)
+    if name not in PRECISIONS:
+        raise RuntimeUserError(f"unknown precision '{name}' for {what}; choose one of {precision_names()}")
+    p = PRECISIONS[name]
+    if p.devices is not None and kind not in p.devices:
+        raise RuntimeUserError(
+            f"{what} {name} has no kernel on '{kind}' in this build (runs on {', '.join(p.devices)}); "
+            f"use {what} bfloat16 or auto on {kind}"
+        )
+    if compiled and p.backend != "dense":
+        raise RuntimeUserError(
+            f"{what} {name} cannot be compiled (its GEMMs are opaque to torch.compile); "
+            f"use {what} float32 or bfloat16 with --compile"
+        )
+    return p
+
+
+def draft_precision(name: str, device: str | torch.device, compiled: bool = False) -> Precision:
+    """A strategy's ``draft_precision`` -> the draft's ``Precision`` (``auto``: the measured fastest
+    draft step for the device kind; compiled: the device's float type)."""
+    kind = torch.device(device).type
+    if name == AUTO:
+        if kind not in AUTO_DRAFT_PRECISION:
+            raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
+        auto = PRECISIONS[AUTO_DRAFT_PRECISION[kind]]
+        return PRECISIONS["float32"] if compiled and auto.backend != "dense" else auto
+    return get_precision(name, device, compiled, what="--draft-precision")
