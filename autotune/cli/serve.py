@@ -8,6 +8,7 @@ from typing import Any
 from autotune.cli.args import add_model_args
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
 from autotune.serving.limits import API_KEY_ENV, Limits
+from autotune.serving.server import GRACE_S
 
 
 def add_parser(sub: Any) -> None:
@@ -19,6 +20,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
     p.add_argument("--route-distance", type=float,
                    help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
+    p.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
+                   help="on SIGTERM the waiting requests get 503 at once and the running one has S seconds "
+                        f"to finish before it is stopped; then the process exits 0 (default {GRACE_S:g})")
     _add_limit_args(p)
     _add_adaptive_args(p)
 
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
-        adaptive=adaptive, limits=Limits(
+        adaptive=adaptive, grace_s=args.grace, limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout),
     ))

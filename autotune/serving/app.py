@@ -53,6 +53,12 @@ class Server:
 
         self.eos = eos_ids(target)
 
+    def close(self) -> None:
+        """Stop the worker (the running request stops at its next round) and flush store writes."""
+        self.worker.stop()
+        if self.worker.adapter is not None:
+            self.worker.adapter.close()
+
     def names(self) -> set[str]:
         return {self.name, self.target.model_id}
 
@@ -147,11 +153,17 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
 
 def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        out = {"status": "ok", "model": server.name, "queue_depth": server.worker.depth}
+    async def health() -> JSONResponse:
+        """200 when this server can serve; 503 with the reason in ``status`` while it drains
+        (SIGTERM), when its decode worker died, or after ``worker.FAILING_AFTER`` internal decode
+        failures in a row (``failing``; a success clears it). ``launcher`` answers "loading"."""
+        condition = server.worker.condition()
+        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth}
+        if condition == "failing":
+            out["consecutive_failures"] = server.worker.failures
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
             out["routes"] = server.worker.adapter.describe()
-        return out
+        return JSONResponse(out, status_code=503 if condition else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

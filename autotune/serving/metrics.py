@@ -43,6 +43,10 @@ class ServingMetrics:
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting or being decoded", registry=r)
         self.retunes = Counter(f"{PREFIX}route_retunes", "Re-tunes started on live traffic (drift, or a new route)",
                                route, registry=r)
+        self.store_writes = Counter(f"{PREFIX}store_writes", "Adaptive serving's store writes, by outcome (stored; "
+                                    "failed: one failed attempt, retried; dropped: given up)", ["outcome"], registry=r)
+        self.store_writes_pending = Gauge(f"{PREFIX}store_writes_pending", "Store writes waiting for the writer "
+                                          "thread", registry=r)
         self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
 
     def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float,

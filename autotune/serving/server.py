@@ -1,9 +1,11 @@
-"""Start-up and shutdown of ``autotune serve``: load, fit the router, run uvicorn, drain.
+"""Start-up and shutdown of ``autotune serve``: listen, load, fit the router, serve, drain.
 
-Start-up errors (unknown model, bad storage URL, port in use) are raised as user errors before
-the server listens, so the CLI prints one line and exits 2. SIGTERM / Ctrl-C: uvicorn stops
-accepting, the worker cancels what is queued and stops the running request at its next round,
-and the process exits 0.
+Start-up errors that need no model (a bad flag, a bad storage URL, a port in use, an unknown model
+name) are raised as user errors before the server listens, so the CLI prints one line and exits 2.
+Then it listens at once and loads the models on a thread (``/health`` answers 503 "loading"
+meanwhile; a load that fails is reported the same way, one line, exit 2). SIGTERM / Ctrl-C drains
+(``launcher``): uvicorn stops accepting, the waiting requests get 503 with ``Retry-After`` at once,
+the running one finishes within ``--grace`` seconds (or is stopped then, 503), and the process exits 0.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from autotune.errors import CliError
 from autotune.serving.limits import Limits
 
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
+GRACE_S = 20.0  # SIGTERM: how long the running request may take to finish (under Kubernetes' 30 s)
+BACKSTOP_S = 2.0  # uvicorn's own limit is the grace plus this: it cancels what is still open then
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,11 @@ class ServeConfig:
     refresh_s: float = REFRESH_S
     adaptive: Any = None  # ``adaptive.AdaptSettings``: drift detection and re-tuning on live traffic
     limits: Limits = field(default_factory=Limits)  # API key, body size, request deadline
+    grace_s: float = GRACE_S  # SIGTERM: the running request's time to finish
 
     def __post_init__(self) -> None:
+        if not 0 <= self.grace_s < float("inf"):
+            raise CliError(f"--grace must be a number of seconds >= 0, got {self.grace_s}")
         if not 0 <= self.port <= 65535:
             raise CliError(f"--port must be in 0..65535, got {self.port}")
         if self.max_queue < 1:
@@ -85,58 +92,67 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
 
 
 def make_app(server: Any, refresh_s: float) -> Any:
+    """The FastAPI app of an already loaded ``server`` (what tests run in a thread)."""
     from autotune.serving.app import create_app
+    from autotune.serving.launcher import refresh_loop
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         server.worker.start()
-        refresher = asyncio.create_task(_refresh_loop(server, refresh_s))
+        refresher = asyncio.create_task(refresh_loop(server, refresh_s))
         try:
             yield
         finally:
             refresher.cancel()
-            await asyncio.to_thread(server.worker.stop)
+            await asyncio.to_thread(server.close)
 
     return create_app(server, lifespan)
-
-
-async def _refresh_loop(server: Any, every_s: float) -> None:
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            await asyncio.to_thread(server.book.refresh_if_changed)
-        except Exception:  # an unreachable store keeps the routes we have; the next poll retries
-            server.metrics.errors.labels("store_refresh").inc()
 
 
 def serve(cfg: ServeConfig) -> int:
     import uvicorn
 
+    from autotune.serving.launcher import Launcher
     from autotune.store.storage import open_storage
+    from runtime.models import resolve_model
 
     check_port_free(cfg.host, cfg.port)
+    for name in (cfg.model, cfg.draft):
+        if name:
+            resolve_model(name)  # an unknown model name is one line before anything loads
     with open_storage(cfg.storage) as storage:
-        server = build_server(cfg, storage)
-        app = make_app(server, cfg.refresh_s)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=30)
-        print(f"autotune serve: {cfg.model} on http://{cfg.host}:{cfg.port} (routes: "
-              f"{', '.join(server.book.describe()) or 'none stored: every request decodes plainly'})", flush=True)
-        _run_uvicorn(config)
+        launcher = Launcher(lambda: build_server(cfg, storage), cfg.refresh_s, cfg.grace_s, on_ready=_announce)
+        config = uvicorn.Config(launcher, host=cfg.host, port=cfg.port, log_level="warning",
+                                timeout_graceful_shutdown=cfg.grace_s + BACKSTOP_S)  # type: ignore[arg-type]
+        print(f"autotune serve: loading {cfg.model}; listening on http://{cfg.host}:{cfg.port} "
+              "(/health is 503 until loaded)", flush=True)
+        _run_uvicorn(config, launcher)
+        if launcher.error is not None:
+            raise launcher.error
     return 0
 
 
-def _run_uvicorn(config: Any) -> None:
+def _announce(server: Any) -> None:
+    print(f"autotune serve: {server.name} ready (routes: "
+          f"{', '.join(server.book.describe()) or 'none stored: every request decodes plainly'})", flush=True)
+
+
+def _run_uvicorn(config: Any, launcher: Any) -> None:
     import signal
 
     import uvicorn
 
     class Drained(uvicorn.Server):
-        """uvicorn re-raises a captured SIGTERM after its graceful shutdown, so the process would
-        die by the signal; a supervisor's stop (SIGTERM) is a normal exit here: status 0."""
+        """SIGTERM or Ctrl-C drains (``Launcher.drain``) while uvicorn stops accepting. uvicorn
+        re-raises a captured SIGTERM after its graceful shutdown, so the process would die by the
+        signal; a supervisor's stop (SIGTERM) is a normal exit here: status 0."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
+            launcher.drain()
             if sig == signal.SIGTERM:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    Drained(config).run()
+    uv = Drained(config)
+    launcher.on_failure = lambda: setattr(uv, "should_exit", True)
+    uv.run()

@@ -4,6 +4,13 @@ Requests are decoded one at a time, in arrival order, by the same ``Decoder.gene
 ``autotune generate`` runs (no second decode loop). Each strategy in use gets its decoder once
 (built from the shared ``ModelPool``, so switching strategy between requests reloads nothing).
 A request whose client went away is skipped, or stopped at the next round when it is running.
+
+Its condition is what ``/health`` reports (``condition``): ``draining`` once ``drain`` was called
+(SIGTERM: the waiting requests are answered 503 + Retry-After at once, the running one has the
+grace period to finish), ``worker_dead`` when the thread ended on something no request handler
+can catch (a ``BaseException``: its request gets a 500, the waiting ones a 503, later ones a 503),
+``failing`` after ``FAILING_AFTER`` decodes in a row failed with an internal error (a success
+clears it), else None.
 """
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ from runtime.stats import DecodeStats
 from search_spaces.strategy import Strategy
 
 MAX_DECODERS = 8  # decoders kept per worker (each holds its drafter's caches), least recently used out
-RETRY_AFTER_S = 1  # what a 503 for a full queue suggests
+RETRY_AFTER_S = 1  # what a 503 for a full queue, or from a draining server, suggests
+FAILING_AFTER = 3  # internal decode failures in a row after which /health answers 503 ("failing")
+HOLD_S = 2.0  # longest a finished request's answer waits for the store write its decode started
 log = logging.getLogger("autotune.serve")
 
 
@@ -66,6 +75,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     accepted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # set by the adaptive layer when this request completed a re-tune: its answer waits for the
+    # result's store write (at most HOLD_S; the decode thread never waits), so its client reads
+    # its own write; a slow or failing store only delays this one answer
+    hold: threading.Event | None = None
 
 
 class DecodeWorker:
@@ -82,7 +95,14 @@ class DecodeWorker:
         # (a 1.5B fp32 target costs ~6 GiB per width); a wider strategy stored later gets its own
         self.verify_width = 0
         self.busy = False
+        self.failures = 0  # internal decode failures in a row
+        # a fault-injection point for tests, called on the decode thread before each request;
+        # nothing reachable over HTTP sets it
+        self.fault: Callable[[Job], None] | None = None
         self._closing = False
+        self._running: Job | None = None
+        self._ended = False  # the stop sentinel is queued
+        self._died = False
         self._thread = threading.Thread(target=self._run, name="autotune-decode", daemon=True)
 
     @property
@@ -93,11 +113,22 @@ class DecodeWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def condition(self) -> str | None:
+        """Why this worker cannot serve now (``draining``, ``worker_dead``, ``failing``), or None."""
+        if self._died or (self._thread.ident is not None and not self._thread.is_alive() and not self._ended):
+            return "worker_dead"
+        if self._closing:
+            return "draining"
+        return "failing" if self.failures >= FAILING_AFTER else None
+
     def check_room(self) -> None:
         """503 now when a job could not be queued: before its prompt is tokenised or its strategy
         looked up, so a full server spends nothing on the requests it refuses."""
+        if self.condition() == "worker_dead":
+            raise ApiError(503, "this server cannot decode (its decode worker stopped); retry on another replica",
+                           type_="server_error", code="worker_dead")
         if self._closing:
-            raise ApiError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+            raise _shutting_down()
         if self.jobs.full():
             raise self._full()
 
@@ -124,21 +155,45 @@ class DecodeWorker:
                     self.jobs.not_full.notify()
                     break
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, cancel the waiting ones, stop the running one at its next round."""
+    def drain(self, grace_s: float) -> None:
+        """Stop serving (SIGTERM): refuse new requests, answer the waiting ones 503 with
+        Retry-After now, and let the running one finish within ``grace_s`` (then it is answered
+        503 at once and stops decoding at its next round); the thread ends after it. Safe to call again: a shorter
+        grace wins. Call it from a thread that holds no lock of this worker (not a signal handler)."""
         self._closing = True
+        expiry = threading.Timer(max(grace_s, 0.0), self._expire)  # not at a round's end: rounds may be slow
+        expiry.daemon = True
+        expiry.start()
+        self._refuse_waiting(_shutting_down())
+        if not self._ended:
+            self._ended = True
+            self.jobs.put(None)  # behind the running job: the queue is empty, so this never blocks long
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Drain with no grace: the running request stops at its next round; wait for the thread."""
+        self.drain(0.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _expire(self) -> None:
+        """The grace period is over: answer the running request 503 now; it stops at its next round."""
+        job = self._running
+        if job is not None and not job.cancelled.is_set():
+            job.cancelled.set()
+            job.emit("error", _shutting_down("the server is shutting down and stopped this request after its "
+                                             "grace period (--grace); retry"))
+
+    def _refuse_waiting(self, err: ApiError) -> None:
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.cancelled.set()
-                job.emit("error", ApiError(503, "the server is shutting down", type_="server_error",
-                                           code="shutting_down"))
-        self.jobs.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+            if job is None:  # the stop sentinel: it goes back behind
+                self._ended = False
+                continue
+            job.cancelled.set()
+            job.emit("error", err)
 
     def share_width(self, strategies: list[Strategy]) -> None:
         """Pad every speculative strategy's verify pass to the widest of ``strategies``."""
@@ -165,17 +220,30 @@ class DecodeWorker:
                 return
             if job.cancelled.is_set():
                 continue
-            self.busy = True
+            if self._closing:  # queued in the instant before a drain emptied the queue
+                job.emit("error", _shutting_down())
+                continue
+            self.busy, self._running = True, job
             try:
+                if self.fault is not None:
+                    self.fault(job)
                 self._decode(job)
+                self.failures = 0
             except ApiError as exc:
                 job.emit("error", exc)
             except Exception:  # a bug must not kill the worker: report it to this request only
+                self.failures += 1
                 log.exception("decoding a request failed")  # the details go to the log, never to the client
-                job.emit("error", ApiError(500, "decoding failed (internal error; see the server log)",
-                                           type_="server_error", code="decode_failed"))
+                job.emit("error", _decode_failed())
+            except BaseException:  # nothing can go on after this: say so to everyone waiting
+                self._died = True
+                log.critical("the decode worker stopped; /health answers 503 from now on", exc_info=True)
+                job.emit("error", _decode_failed())
+                self._refuse_waiting(ApiError(503, "this server cannot decode (its decode worker stopped)",
+                                              type_="server_error", code="worker_dead"))
+                return
             finally:
-                self.busy = False
+                self.busy, self._running = False, None
 
     def _decode(self, job: Job) -> None:
         # text is decoded between rounds only when someone reads it then: a streaming client, or
@@ -208,9 +276,32 @@ class DecodeWorker:
         )
         if self.on_done is not None:
             self.on_done(job, outcome)
-        job.emit("done", outcome)
+        self._answer(job, outcome)
+
+    @staticmethod
+    def _answer(job: Job, outcome: Outcome) -> None:
+        hold = job.hold
+        if hold is None or hold.is_set():
+            job.emit("done", outcome)
+            return
+
+        def answer_when_stored() -> None:  # off the decode thread: it goes on with the next request
+            hold.wait(HOLD_S)
+            job.emit("done", outcome)
+
+        threading.Thread(target=answer_when_stored, name="autotune-answer", daemon=True).start()
 
     @staticmethod
     def _release(job: Job, text: str) -> None:
         if text and job.streamed:
             job.emit("delta", text)
+
+
+def _shutting_down(message: str = "the server is shutting down; retry on another replica") -> ApiError:
+    return ApiError(503, message, type_="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _decode_failed() -> ApiError:
+    return ApiError(500, "decoding failed (internal error; see the server log)", type_="server_error",
+                    code="decode_failed")

@@ -41,26 +41,30 @@ tuner) and is stored as a new task named from its top TF-IDF terms (``auto:word-
 prompts, and the router refits: later requests of that kind route there directly.
 
 Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are served as asked (they
-feed plain decoding's measured speed). Everything here runs on the decode worker's thread.
+feed plain decoding's measured speed). Everything here runs on the decode worker's thread but
+the store writes: a re-tune's result goes to a background writer (``writer.StoreWriter``, bounded
+retries), so a slow or locked store never stalls decoding nor fails a request that decoded; the
+request that completed the re-tune answers once the result is stored (at most ``worker.HOLD_S``).
+A re-tune that raises is dropped: its route goes on with its stored strategy. ``/health`` reads
+``describe()``, a snapshot the worker publishes after each request, never the live state.
 """
 from __future__ import annotations
 
-import re
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import optuna
-from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
-from sklearn.preprocessing import normalize
 
-from autotune.serving.adaptive.settings import PENDING_TEXTS, AdaptSettings
+from autotune.serving.adaptive.clusters import PendingClusters, new_route_name, unique_name
+from autotune.serving.adaptive.settings import AdaptSettings
+from autotune.serving.adaptive.writer import StoreWriter, Write
 from autotune.serving.routing.book import GENERAL_TASK
-from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, centroids, make_vectorizer
-from autotune.store.records import ResultMetrics, clip_prompt
+from autotune.serving.routing.router import UNKNOWN
+from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
@@ -69,9 +73,8 @@ from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
 
 ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
-NEW_ROUTE_PREFIX = "auto:"
-PENDING_CLUSTERS = 8  # pending clusters kept at once; a new one beyond this drops the stalest
 EVENTS_KEPT = 256
+log = logging.getLogger("autotune.serve")
 
 
 def _ewma(old: float | None, new: float, weight: float) -> float:
@@ -123,87 +126,6 @@ def judge(health: RouteHealth, plain_tps: float | None, settings: AdaptSettings)
     if health.acceptance < bar:
         return f"acceptance {health.acceptance:.2f} < {bar:.2f} (stored {health.stored_acceptance:.2f})"
     return None
-
-
-def new_route_name(texts: list[str], known: list[str], terms: int = 2) -> str:
-    """``auto:`` + the pending texts' top TF-IDF words (fitted on them and the known routes'
-    prompts, so words every route shares rank low), e.g. ``auto:summarize-article``."""
-    vectorizer = make_vectorizer()
-    matrix = vectorizer.fit_transform(list(texts) + list(known))
-    weights = np.asarray(matrix[: len(texts)].mean(axis=0)).ravel()
-    words = vectorizer.get_feature_names_out()
-    picked: list[str] = []
-    for i in np.argsort(-weights, kind="stable"):
-        word = str(words[i])
-        if weights[i] <= 0:
-            break
-        if re.fullmatch(r"[a-z][a-z_]{2,}", word) and word not in ENGLISH_STOP_WORDS and word not in picked:
-            picked.append(word)
-        if len(picked) == terms:
-            break
-    return NEW_ROUTE_PREFIX + ("-".join(picked) or "general")
-
-
-class PendingClusters:
-    """Unknown requests grouped by topic until a group is big enough to become a route.
-
-    A text joins the nearest cluster when its cosine distance to that cluster's TF-IDF centroid is
-    below ``threshold`` (the router's vectors and threshold, fitted on the pending texts and this
-    one: a vocabulary fitted without it would see only the words it shares); otherwise it
-    opens a new cluster. At most ``max_clusters`` are kept (opening one more drops the one that
-    grew least recently) and ``max_texts`` texts per cluster. Cluster ids are never reused.
-    """
-
-    def __init__(self, threshold: float = DEFAULT_ROUTE_DISTANCE, max_clusters: int = PENDING_CLUSTERS,
-                 max_texts: int = PENDING_TEXTS) -> None:
-        self.threshold, self.max_clusters, self.max_texts = threshold, max_clusters, max_texts
-        self.clusters: dict[int, list[str]] = {}  # id -> texts, least recently grown first
-        self._next = 0
-
-    def assign(self, text: str) -> int:
-        """The id of the cluster ``text`` belongs to (a new id when it is near none); adds nothing."""
-        if self.clusters:
-            ids = list(self.clusters)
-            texts = [clip_prompt(t) for cid in ids for t in self.clusters[cid]]
-            vectors = normalize(make_vectorizer().fit_transform([*texts, clip_prompt(text)]))
-            means = centroids(vectors[:len(texts)], [len(self.clusters[cid]) for cid in ids])
-            distances = 1.0 - np.asarray(vectors[len(texts):] @ means.T).ravel()
-            nearest = int(distances.argmin())
-            if distances[nearest] < self.threshold:
-                return ids[nearest]
-        self._next += 1
-        return self._next - 1
-
-    def add(self, cid: int, text: str) -> int:
-        """Add ``text`` to cluster ``cid`` (opening it if new); -> the cluster's size."""
-        texts = self.clusters.pop(cid, None)
-        if texts is None:
-            texts = []
-            while len(self.clusters) >= self.max_clusters:
-                del self.clusters[next(iter(self.clusters))]
-        texts = (texts + [text])[-self.max_texts:]
-        self.clusters[cid] = texts  # now the most recently grown
-        return len(texts)
-
-    def texts(self, cid: int) -> list[str]:
-        return list(self.clusters.get(cid, ()))
-
-    def drop(self, cid: int) -> None:
-        self.clusters.pop(cid, None)
-
-    def sizes(self) -> dict[int, int]:
-        return {cid: len(texts) for cid, texts in self.clusters.items()}
-
-
-def unique_name(name: str, taken: set[str]) -> str:
-    """``name``, or ``name-2``, ``name-3``... when a route of that name exists (a topic seen twice
-    is a new route of its own, never an overwrite of the first)."""
-    n = 1
-    candidate = name
-    while candidate in taken:
-        n += 1
-        candidate = f"{name}-{n}"
-    return candidate
 
 
 @dataclass
@@ -271,10 +193,28 @@ class Adapter:
         self.plain_tps: float | None = None
         self.cost: MeasuredCostModel | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # re-tunes and stored results, in order
+        self.writer = StoreWriter(metrics)  # the store writes, off this thread
+        self._published: dict[str, Any] = {}
+        self._publish()
 
     # ------------------------------------------------------------------ the decode worker's calls
     def generate(self, job: Any, after_round: Callable) -> GenerationResult:
         """Decode ``job`` as its route's state says: a re-tune's tuner, or the routed strategy."""
+        try:
+            return self._generate(job, after_round)
+        finally:
+            self._publish()
+
+    def describe(self) -> dict[str, Any]:
+        """Per-route figures for ``/health``: the snapshot published after the last request (safe
+        from any thread: the decode thread replaces it whole, never changes it)."""
+        return self._published
+
+    def close(self) -> None:
+        self.writer.close()
+
+    # ------------------------------------------------------------------ internals
+    def _generate(self, job: Any, after_round: Callable) -> GenerationResult:
         choice = job.choice
         if choice.route in ADAPTIVE_ROUTES_EXCLUDED:
             return self._plainly_measured(job, self.worker.decoder(choice.strategy).generate(
@@ -288,45 +228,59 @@ class Adapter:
             or self.retunes.get(choice.route)
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
-            result = retune.generate(job.ids, job.cfg, job.text, after_round)
-            self._after_retune_request(retune)
+            try:
+                result = retune.generate(job.ids, job.cfg, job.text, after_round)
+            except Exception:  # this request fails; its route goes on with its stored strategy
+                self._drop(retune, "failed")
+                raise
+            self._after_decode(lambda: self._after_retune_request(retune, job))
             return result
         result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
         self._plainly_measured(job, result)
+        self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats))
+        return result
+
+    def _judge(self, health: RouteHealth, choice: Any, cluster: int | None, text: str, stats: DecodeStats) -> None:
         if cluster is not None:  # far from every route: collect them by topic into new ones
-            size = self.pending.add(cluster, job.text)
+            size = self.pending.add(cluster, text)
             if size >= self.settings.new_route_requests:
                 self._start(health, f"{size} requests far from every route", cluster)
-                return result
-        health.observe(result.stats, self.settings.ewma)
+                return
+        health.observe(stats, self.settings.ewma)
         reason = judge(health, self._plain_tps(), self.settings)
         if reason is not None and choice.route not in self.retunes:
             health.fallbacks += reason.startswith("slower")
             self._start(health, reason)
-        return result
 
-    def describe(self) -> dict[str, Any]:
-        retuning = set(self.retunes)
-        return {
-            route: {"strategy": h.label, "state": "tuning" if route in retuning else "stored",
+    @staticmethod
+    def _after_decode(work: Callable[[], None]) -> None:
+        """Bookkeeping after a request decoded: a failure here must not fail that request."""
+        try:
+            work()
+        except Exception:
+            log.exception("adaptive serving's bookkeeping failed after a successful decode; the route "
+                          "keeps its stored strategy")
+
+    def _publish(self) -> None:
+        self._published = {
+            route: {"strategy": h.label, "state": "tuning" if route in self.retunes else "stored",
                     "acceptance": h.acceptance, "stored_acceptance": h.stored_acceptance, "tokens_per_s": h.tps,
                     "requests": h.requests, "retunes": h.retunes, "fallbacks": h.fallbacks, "reason": h.reason}
-            for route, h in list(self.health.items())  # read from the HTTP thread: a snapshot
+            for route, h in self.health.items()
         } | {"plain_tokens_per_s": self.plain_tps, "pending_unknown": sum(self.pending.sizes().values()),
              "pending_clusters": list(self.pending.sizes().values())}
 
-    # ------------------------------------------------------------------ internals
     def _health(self, choice: Any) -> RouteHealth:
         """The route's health; a new one when the route's stored entry changed (re-tuned here, by
         another replica, or by a study)."""
         entry = choice.entry
         h = self.health.get(choice.route)
-        if h is None or h.label != choice.label or h.strategy != choice.strategy:
+        history_id = entry.history_id if entry is not None else None
+        if h is None or h.label != choice.label or h.strategy != choice.strategy or h.history_id != history_id:
             old = h
             h = self.health[choice.route] = RouteHealth(
                 choice.route, choice.strategy, choice.label,
-                stored_acceptance=entry.acceptance if entry is not None else None,
-                history_id=entry.history_id if entry is not None else None,
+                stored_acceptance=entry.acceptance if entry is not None else None, history_id=history_id,
             )
             if old is not None:
                 h.retunes, h.fallbacks = old.retunes, old.fallbacks
@@ -383,24 +337,43 @@ class Adapter:
         self.events.append({"event": "retune", "route": health.route, "task": task, "reason": reason,
                             "requests": health.requests})
 
-    def _after_retune_request(self, retune: Retune) -> None:
-        if retune.requests < self.settings.retune_requests:
-            return
-        del self.retunes[retune.key]
-        strategy, tps, acceptance, predicted = retune.outcome()
-        tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
-        key = strategy_key(self.target, self.draft, retune.task, self.device)
-        history_id = self.storage.record(key, strategy, ResultMetrics.from_throughput(
-            tps, acceptance=acceptance, predicted_tps=predicted, tuning_share=min(tuning, 1.0),
-            study_name=f"serve:{retune.route}",
-        ), prompts=retune.prompts, supersedes=retune.supersedes)
+    def _drop(self, retune: Retune, why: str) -> None:
+        """End ``retune`` now (its decoder, caches and study go with it); its route is judged
+        afresh with its stored entry."""
+        self.retunes.pop(retune.key, None)
         if retune.cluster is not None:
             self.pending.drop(retune.cluster)
         health = self.health.get(retune.route)
-        if health is not None:  # judged afresh with its new entry (see _health)
+        if health is not None:  # judged afresh (see _health)
             health.label = ""
-        self.book.refresh()
-        self.worker.share_width([strategy])
-        self.events.append({"event": "stored", "route": retune.route, "task": retune.task,
-                            "strategy": strategy.to_dict(), "tokens_per_s": tps, "acceptance": acceptance,
-                            "history_id": history_id, "tuning_share": tuning, "trials": retune.tuner.state.trials})
+        if why != "done":
+            log.error("the re-tune of route %s %s; the route keeps its stored strategy", retune.route, why,
+                      exc_info=True)
+            self.events.append({"event": "retune_failed", "route": retune.route, "task": retune.task})
+
+    def _after_retune_request(self, retune: Retune, job: Any) -> None:
+        """After the last request of ``retune``: hand its result to the store writer; ``job``'s
+        answer waits for the write (``worker.HOLD_S`` at most), the decode thread does not."""
+        if retune.requests < self.settings.retune_requests:
+            return
+        self._drop(retune, "done")
+        strategy, tps, acceptance, predicted = retune.outcome()
+        tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
+        key = strategy_key(self.target, self.draft, retune.task, self.device)
+        metrics = ResultMetrics.from_throughput(tps, acceptance=acceptance, predicted_tps=predicted,
+                                                tuning_share=min(tuning, 1.0), study_name=f"serve:{retune.route}")
+        prompts, supersedes, trials = list(retune.prompts), retune.supersedes, retune.tuner.state.trials
+
+        def record() -> int:  # on the writer thread, retried there
+            return self.storage.record(key, strategy, metrics, prompts=prompts, supersedes=supersedes)
+
+        def then(history_id: int) -> None:  # on the writer thread, once stored
+            self.worker.share_width([strategy])
+            self.book.refresh()
+            self.events.append({"event": "stored", "route": retune.route, "task": retune.task,
+                                "strategy": strategy.to_dict(), "tokens_per_s": tps, "acceptance": acceptance,
+                                "history_id": history_id, "tuning_share": tuning, "trials": trials})
+
+        write = Write(f"the re-tune of route {retune.route} (task {retune.task})", record, then)
+        job.hold = write.done
+        self.writer.submit(write)
