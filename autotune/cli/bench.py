@@ -14,8 +14,9 @@ from autotune.errors import CliError
 
 METHODS_HELP = (
     "comma list of: hf, hf-static, hf-assisted, vanilla, sd, sd-tree, lookup, easyspec, selfspec, uniform (the "
-    "untuned start of `study`), tuned (the stored best); options after colons, e.g. easyspec:lp2:nocal, "
-    "selfspec:r0.3, tuned:task=gsm8k"
+    "untuned start of `study`), tuned (the stored best), llamacpp, llamacpp-draft, llamacpp-lookup (llama.cpp on the "
+    "same GGUF files, built by `make peers`); options after colons, e.g. easyspec:lp2:nocal, selfspec:r0.3, "
+    "tuned:task=gsm8k, llamacpp-draft:k8"
 )
 
 
@@ -44,9 +45,11 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune.measure.bench import SHARED_WIDTH, BenchContext, format_table, parse_methods, run_bench, write_report
+    from autotune.measure.peers import check_methods_ready
 
     check_common(args)
     methods = parse_methods(args.methods)
+    check_methods_ready([m.name for m in methods], args.model, args.draft, args.random_weights)
     items = _bench_items(args)
     _check_tuned_stored(args, methods)
     pool, target, strategy = load_models(args)

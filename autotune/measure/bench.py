@@ -20,6 +20,7 @@ from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
 from autotune.errors import CliError
+from autotune.measure import peers
 
 
 @dataclass
@@ -41,6 +42,7 @@ class BenchContext:
 class MethodRun:
     tokens: list[int]
     stats: DecodeStats
+    info: dict[str, Any] = field(default_factory=dict)  # a peer's notes per prompt (e.g. llama.cpp's prompt check)
 
 
 Method = Callable[[list[int], GenerationConfig], MethodRun]
@@ -188,6 +190,20 @@ def _tuned_strategy(ctx: BenchContext) -> Strategy:
     return resolve_strategy(BEST, f"sqlite:///{Path(db).resolve()}" if db else ctx.storage, key, PLAIN)
 
 
+def _peer(name: str) -> MethodFactory:
+    """Another engine on the same GGUF files and prompts (``autotune.measure.peers``)."""
+    def factory(ctx: BenchContext) -> Method:
+        peer = peers.make_peer(name, ctx.target, ctx.draft_name, ctx.options, torch.get_num_threads())
+
+        def run(prompt: list[int], cfg: GenerationConfig) -> MethodRun:
+            done = peer(prompt, cfg)
+            return MethodRun(done.tokens, done.stats, done.info)
+
+        return run
+
+    return factory
+
+
 # our runtime's methods: name -> the strategy it decodes with
 STRATEGY_METHODS: dict[str, Callable[[BenchContext], Strategy]] = {
     "vanilla": lambda ctx: PLAIN,
@@ -205,6 +221,7 @@ METHODS: dict[str, MethodFactory] = {
     "hf-static": _hf_static,
     "hf-assisted": _hf_assisted,
     **{name: _ours(strategy_of) for name, strategy_of in STRATEGY_METHODS.items()},
+    **{name: _peer(name) for name in peers.VARIANTS},  # llama.cpp (`make peers`)
 }
 
 # method options, written `name:opt:opt` (e.g. `easyspec:lp2:nocal`, `selfspec:r0.3`): prefix -> (key, value)
@@ -280,6 +297,7 @@ def parse_method(text: str) -> MethodSpec:
 class MethodTotals:
     stats: DecodeStats = field(default_factory=DecodeStats)
     outputs: list[list[int]] = field(default_factory=list)
+    infos: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -310,14 +328,36 @@ def run_bench(
                 run = runner(prompt, cfg)
                 totals[name].stats = totals[name].stats.merge(run.stats)
                 totals[name].outputs.append(run.tokens)
+                totals[name].infos.append(run.info)
                 bar.update(1)
     report = summarise(totals, methods)
+    _add_peer_notes(report, ctx, specs, totals, cfg.eos_token_ids)
     for spec in specs:  # what each of our methods decoded with (for `tuned`: what was stored)
         if spec.name in STRATEGY_METHODS:
             strategy = STRATEGY_METHODS[spec.name](replace(ctx, options=dict(spec.options)))
             report["methods"][spec.label]["strategy"] = strategy.to_dict()
     report["verify_width"] = ctx.verify_width
     return report
+
+
+def _add_peer_notes(
+    report: dict[str, Any], ctx: BenchContext, specs: list[MethodSpec], totals: dict[str, MethodTotals],
+    eos: tuple[int, ...],
+) -> None:
+    """With a peer in the run: every method's agreement with `vanilla` (else the baseline), the peers' notes."""
+    peer_specs = [spec for spec in specs if spec.name in peers.VARIANTS]
+    if not peer_specs:
+        return
+    reference = "vanilla" if "vanilla" in totals else report["baseline"]
+    canon = peers.canonical(ctx.target.tokenizer, eos)
+    ref = [canon(ids) for ids in totals[reference].outputs]
+    report["agreement_reference"] = reference
+    for name, method in report["methods"].items():
+        method["agreement"] = peers.agreement_rate(list(zip(ref, map(canon, totals[name].outputs))))
+    for spec in peer_specs:
+        note = peers.describe(spec.name, ctx.target.name, ctx.draft_name)
+        note["prompt_ids_match"] = all(info.get("prompt_ids_match", False) for info in totals[spec.label].infos)
+        report["methods"][spec.label].update(peer=note, identical_to_baseline=None)
 
 
 SHARED_WIDTH = -1  # BenchContext.verify_width: the widest speculative method's width for all of them
@@ -368,22 +408,31 @@ def format_table(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    agree = "agreement_reference" in report  # a peer ran: texts compared by agreement, not identity
     table = Table(title=f"bench (baseline: {report['baseline']})")
-    cols = ["method", "tok/s", "speedup", "identical", "alpha", "M", "tree", "draft ms/100", "verify ms/100", "tokens"]
+    cols = ["method", "tok/s", "speedup", "identical", *(["agree"] if agree else []), "alpha", "M", "tree",
+            "draft ms/100", "verify ms/100", "tokens"]
     for c in cols:
         table.add_column(c, justify="right" if c != "method" else "left")
     for name, m in report["methods"].items():
         table.add_row(
             name, f"{m['tokens_per_s']:.2f}", _fmt(m["speedup_vs_baseline"], "{:.2f}x"),
-            "yes" if m["identical_to_baseline"] else "NO", _fmt(m["acceptance_rate"], "{:.3f}"),
-            _fmt(m["mean_accepted"], "{:.2f}"), _fmt(m["mean_tree_size"], "{:.1f}"),
-            _fmt(m["draft_ms_per_100"], "{:.0f}"),
+            _identical(m["identical_to_baseline"]), *([f"{m['agreement']:.3f}"] if agree else []),
+            _fmt(m["acceptance_rate"], "{:.3f}"), _fmt(m["mean_accepted"], "{:.2f}"),
+            _fmt(m["mean_tree_size"], "{:.1f}"), _fmt(m["draft_ms_per_100"], "{:.0f}"),
             _fmt(m["verify_ms_per_100"], "{:.0f}"), str(m["new_tokens"]),
         )
     console = Console(width=120, record=True)
     with console.capture() as cap:
         console.print(table)
-    return cap.get()
+    notes = [peers.format_note(name, m["peer"]) for name, m in report["methods"].items() if "peer" in m]
+    if agree:
+        notes.append(f"agree: share of tokens equal up to the first difference, against {report['agreement_reference']}")
+    return cap.get() + "".join(f"{line}\n" for line in notes)
+
+
+def _identical(same: bool | None) -> str:
+    return "-" if same is None else ("yes" if same else "NO")
 
 
 def _fmt(value: float | None, pattern: str) -> str:

@@ -357,7 +357,8 @@ def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     baseline = report.get("baseline")
     names = list(methods)
     tps = [float(methods[n].get("tokens_per_s") or 0.0) for n in names]
-    same = [bool(methods[n].get("identical_to_baseline", True)) for n in names]
+    # None: another engine (bench peer), compared by agreement instead of identity
+    same = [methods[n].get("identical_to_baseline", True) is not False for n in names]
     colours = ["tab:gray" if n == baseline else ("tab:blue" if ok else "tab:red") for n, ok in zip(names, same)]
     bars = ax.bar(range(len(names)), tps, color=colours, edgecolor="black", linewidth=0.5)
     for bar, ok in zip(bars, same):
@@ -367,7 +368,8 @@ def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     for n, ok in zip(names, same):
         speedup = methods[n].get("speedup_vs_baseline")
         text = "-" if speedup is None else f"{speedup:.2f}x"
-        labels.append(text if ok else f"{text}\nNOT identical")
+        agree = methods[n].get("agreement") if methods[n].get("identical_to_baseline", True) is None else None
+        labels.append(f"{text}\nagree {agree:.2f}" if agree is not None else (text if ok else f"{text}\nNOT identical"))
     ax.bar_label(bars, labels=labels, fontsize=8, padding=2)
     ticks = [_short_method(n) for n in names]
     ax.set_xticks(range(len(names)), ticks, rotation=20 if len(names) > 4 or max(map(len, ticks), default=0) > 14 else 0,
