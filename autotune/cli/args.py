@@ -15,7 +15,7 @@ from autotune.errors import CliError
 MODEL_FLAGS: dict[str, dict[str, Any]] = {
     "model": {"required": True, "help": "target: alias, local directory or hub id"},
     "draft": {"help": "draft model of the same family (alias, directory or hub id)"},
-    "precision": {"aliases": ("--dtype",), "default": "float32",
+    "precision": {"aliases": ("--dtype",), "default": "auto",
                   "help": "target arithmetic: float32 (identical to Hugging Face float32), bfloat16, int8, int4 "
                           "(weight-only, bf16 activations), w8a8 (int8 weights and activations), or auto (int4 on "
                           "CPU, bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "

@@ -137,6 +137,7 @@ def format_study(report: Any) -> str:
                          f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
         ("while tuning", _while_tuning_text(report)),
         ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
+        ("precision", _precision_text(report.extra.get("precision"))),
     ]
     for k, v in rows:
         table.add_row(k, v)
@@ -144,6 +145,24 @@ def format_study(report: Any) -> str:
     with console.capture() as cap:
         console.print(table)
     return cap.get()
+
+
+def _precision_text(info: dict[str, Any] | None) -> str:
+    """The precision tuned at, and the fastest one predicted for the stored strategy and for plain."""
+    if not info:
+        return "-"
+    from runtime.precision import AUTO_PRECISION
+
+    est = {e["precision"]: e for e in info["estimates"]}
+    fastest, plain = info["fastest"], info["fastest_plain"]
+    text = f"tuned at {info['precision']}"
+    if info["precision"] == AUTO_PRECISION["cpu"]:
+        text += " (auto on CPU: the fastest precision whose speculation is exact relative to its plain decoding)"
+    text += (f"; predicted fastest here: {fastest} for the stored strategy ({est[fastest]['chosen_tps']:.1f} tok/s), "
+             f"{plain} for plain decoding ({est[plain]['plain_tps']:.1f} tok/s)")
+    if fastest != info["precision"]:
+        text += f"; tune at --precision {fastest} to check"
+    return text
 
 
 def _while_tuning_text(report: Any) -> str:

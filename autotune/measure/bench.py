@@ -331,6 +331,8 @@ def run_bench(
                 totals[name].infos.append(run.info)
                 bar.update(1)
     report = summarise(totals, methods)
+    report["precision"] = ctx.target.precision
+    _identity_at_precision(report, specs, totals)
     _add_peer_notes(report, ctx, specs, totals, cfg.eos_token_ids)
     for spec in specs:  # what each of our methods decoded with (for `tuned`: what was stored)
         if spec.name in STRATEGY_METHODS:
@@ -338,6 +340,26 @@ def run_bench(
             report["methods"][spec.label]["strategy"] = strategy.to_dict()
     report["verify_width"] = ctx.verify_width
     return report
+
+
+HF_METHODS = ("hf", "hf-static", "hf-assisted")  # Hugging Face's float32 forward, whatever --precision says
+
+
+def _identity_at_precision(report: dict[str, Any], specs: list[MethodSpec], totals: dict[str, MethodTotals]) -> None:
+    """Below float32 our methods are lossless relative to our plain decoding at the same precision:
+    their identity is checked against ``vanilla``; HF rows run float32 arithmetic, so they are
+    compared by agreement (``agreement_reference``), never called identical or not."""
+    if report["precision"] == "float32" or "vanilla" not in totals:
+        return
+    ref = totals["vanilla"].outputs
+    report["identity_reference"] = "vanilla"
+    for spec in specs:
+        same = None if spec.name in HF_METHODS else totals[spec.label].outputs == ref
+        report["methods"][spec.label]["identical_to_baseline"] = same
+    if any(spec.name in HF_METHODS for spec in specs):
+        report["agreement_reference"] = "vanilla"
+        for name, method in report["methods"].items():
+            method["agreement"] = peers.agreement_rate(list(zip(ref, totals[name].outputs)))
 
 
 def _add_peer_notes(
@@ -408,8 +430,10 @@ def format_table(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    agree = "agreement_reference" in report  # a peer ran: texts compared by agreement, not identity
-    table = Table(title=f"bench (baseline: {report['baseline']})")
+    agree = "agreement_reference" in report  # a peer or HF ran: texts compared by agreement, not identity
+    precision = report.get("precision", "float32")
+    identity = report.get("identity_reference", report["baseline"])
+    table = Table(title=f"bench at {precision} (speed baseline: {report['baseline']}; identical: to {identity})")
     cols = ["method", "tok/s", "speedup", "identical", *(["agree"] if agree else []), "alpha", "M", "tree",
             "draft ms/100", "verify ms/100", "tokens"]
     for c in cols:

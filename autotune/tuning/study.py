@@ -182,7 +182,25 @@ def run_study(
     check = _check(pool, target, setup.uses_draft, setup.tuner.best, prompts[:CHECK_PROMPTS], cfg, setup.width)
     if base is not None:  # an output that differed while tuning: nothing speculative is stored
         check.identical &= base.identical
-    return _record(setup, storage, check, stats, base, tuning_share, prompt_texts)
+    report = _record(setup, storage, check, stats, base, tuning_share, prompt_texts)
+    report.extra["precision"] = _precision_advice(pool, target, setup, report, check, prompts, cfg)
+    setup.study.set_user_attr("precision", report.extra["precision"])
+    return report
+
+
+def _precision_advice(
+    pool: ModelPool, target: LoadedModel, setup: _Setup, report: StudyReport, check: Check,
+    prompts: list[list[int]], cfg: GenerationConfig,
+) -> dict[str, Any]:
+    """The precision the study ran at, and which one its stored strategy (and plain decoding)
+    would be fastest at on this machine (``autotune.tuning.precisions``)."""
+    from autotune.tuning.precisions import advice, estimate
+
+    speculative = report.chosen is report.best and report.best.speculates
+    stats = check.tuned if speculative else check.plain
+    context = sum(len(p) for p in prompts) // max(len(prompts), 1) + cfg.max_new_tokens // 2
+    return {"precision": target.precision,
+            **advice(estimate(pool, target, stats, setup.width if speculative else 1, context))}
 
 
 @dataclass

@@ -12,7 +12,7 @@ def test_bench_reports_every_method(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main([
         "bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--task", "humaneval", "--limit", "1",
-        "--max-new-tokens", "12", "--methods", "hf,vanilla,sd,sd-tree,lookup", "--draft-length", "3",
+        "--max-new-tokens", "12", "--methods", "hf,vanilla,sd,sd-tree,lookup", "--draft-length", "3", "--precision", "float32",
         "--json", str(out),
     ])
     assert code == 0
@@ -27,3 +27,23 @@ def test_bench_reports_every_method(tmp_path, capsys):
             assert key in m
     assert report["methods"]["sd-tree"]["mean_tree_size"] > report["methods"]["sd"]["mean_tree_size"]
     assert "identical" in capsys.readouterr().out
+
+
+def test_bench_at_int4_checks_identity_against_our_plain_decoding(tmp_path, capsys):
+    """Below float32 our methods must equal our plain decoding at that precision; HF's float32
+    rows are compared by agreement instead."""
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--task", "humaneval", "--limit", "1",
+        "--max-new-tokens", "16", "--methods", "hf,vanilla,sd,lookup", "--draft-length", "3", "--precision", "int4",
+        "--draft-precision", "int8", "--json", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["precision"] == "int4" and report["identity_reference"] == "vanilla"
+    methods = report["methods"]
+    assert methods["hf"]["identical_to_baseline"] is None and 0 <= methods["hf"]["agreement"] <= 1
+    for name in ("vanilla", "sd", "lookup"):
+        assert methods[name]["identical_to_baseline"] is True and methods[name]["agreement"] == 1.0, name
+    assert methods["sd"]["acceptance_rate"] is not None
+    assert "bench at int4" in capsys.readouterr().out

@@ -81,7 +81,7 @@ def test_bench_random_weights_runs_synthetic_prompts_without_weights(tmp_path, m
     out = tmp_path / "bench.json"
     code = main([
         "bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "float32",
-        "--random-weights", "--limit", "1", "--prompt-len", "8", "--max-new-tokens", "6",
+        "--random-weights", "--limit", "1", "--prompt-len", "8", "--max-new-tokens", "6", "--precision", "float32",
         "--methods", "hf,vanilla,sd", "--draft-length", "3", "--confidence-threshold", "0", "--json", str(out),
     ])
     assert code == 0
