@@ -150,6 +150,10 @@ def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch
     return cols[None, :] <= rows[:, None]
 
 
+# query rows per attention call where a row's result must not depend on the call's row count
+INVARIANT_ROWS = 32
+
+
 def sdpa(
     q: torch.Tensor,  # [H, T, D]
     k: torch.Tensor,  # [Hkv, S, D]
@@ -157,8 +161,16 @@ def sdpa(
     mask: torch.Tensor | None,  # [T, S] bool
     causal: bool,
     scale: float,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``."""
+    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``.
+
+    ``invariant``: compute every query row inside a call of exactly ``INVARIANT_ROWS`` rows (the
+    rows padded, then cut back), so its result is bit-identical whatever ``T`` is. The CPU kernel
+    splits the query rows into blocks whose size follows from ``T``, and a short block takes another
+    GEMM path: the last ulp of a row then depends on how many rows share the call. Float32 greedy
+    decoding shrugs that off; quantised activations round it into different tokens (a w8a8 verify
+    of 11 rows parted from plain decoding on the 1.5B). Not for the causal prefill (run once)."""
     h, t, d = q.shape
     hkv = k.shape[0]
     rep = h // hkv
@@ -166,6 +178,8 @@ def sdpa(
         if rep > 1:
             k = k.repeat_interleave(rep, dim=0)
             v = v.repeat_interleave(rep, dim=0)
+        if invariant and not causal:
+            return _in_blocks(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
             is_causal=causal, scale=scale,
@@ -173,7 +187,27 @@ def sdpa(
     # pack the query heads sharing a K/V head: [Hkv, rep*T, D]; the mask repeats per head
     qp = q.reshape(hkv, rep * t, d)
     mp = None if mask is None else mask.repeat(rep, 1)  # [rep*T, S]
+    if invariant:
+        return _in_blocks(qp, k, v, mp, scale).reshape(h, t, d)
     out = F.scaled_dot_product_attention(
         qp[None], k[None], v[None], attn_mask=None if mp is None else mp[None, None], scale=scale
     )[0]
     return out.reshape(h, t, d)
+
+
+def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``q`` ``[Hk, R, D]`` attended in calls of exactly ``INVARIANT_ROWS`` rows each."""
+    rows = q.shape[1]
+    padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
+    if padded != rows:
+        q = torch.cat([q, q.new_zeros(q.shape[0], padded - rows, q.shape[2])], dim=1)
+        if mask is not None:  # padding rows see every slot (their output is dropped)
+            mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
+    outs = [
+        F.scaled_dot_product_attention(
+            q[None, :, i : i + INVARIANT_ROWS], k[None], v[None], scale=scale,
+            attn_mask=None if mask is None else mask[None, None, i : i + INVARIANT_ROWS],
+        )[0]
+        for i in range(0, padded, INVARIANT_ROWS)
+    ]
+    return torch.cat(outs, dim=1)[:, :rows]

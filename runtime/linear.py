@@ -73,6 +73,10 @@ BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
 }
 
 
+# backends whose rows are invariant to the call's row count (runtime.quant): models running them get
+# width-invariant attention too (runtime.attention.sdpa), so every width computes a row the same
+ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8")
+
 # the output head's backend where it differs from the projections': int4 models keep an int8 head (as
 # llama.cpp's Q4_K_M files keep a 6-bit one): the head decides the argmax, and int4 groups cost it
 # ~4% of its largest weight (SmolLM2), int8 channels ~0.4%

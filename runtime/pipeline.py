@@ -1,7 +1,6 @@
 """Build decoders from a Strategy: load (and cache) models, wrap them, pick the drafter."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,8 +19,6 @@ from runtime.lookup import PromptLookupDrafter
 from runtime.precision import PRECISIONS, draft_precision
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
-
-log = logging.getLogger("runtime")
 
 
 @dataclass
@@ -168,9 +165,6 @@ def build_decoder(
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
     if drafter is None and not standby:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(_compiled(lm, pool))
-    known = PRECISIONS[target.precision].known_divergence
-    if known is not None:
-        _warn_once(f"speculation at precision {target.precision} is not known to be lossless: {known}")
     nodes = max(s.max_tree_nodes for s in (strategy, *standby))
     width = verify_width or nodes + 1
     if width < nodes + 1:
@@ -188,15 +182,6 @@ def build_decoder(
     if drafter is None:  # plain decoding first, the others on standby
         decoder.apply(strategy)
     return decoder
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
 
 
 def _compiled(lm: CausalLM, pool: ModelPool) -> CausalLM:

@@ -24,8 +24,6 @@ class Precision:
     backend: str  # the linear backend of every projection and the head, every width
     devices: tuple[str, ...] | None = None  # device kinds with a kernel (None: any)
     summary: str = ""
-    # a known case where speculation at this precision parted from its plain decoding (None: none known)
-    known_divergence: str | None = None
 
     @property
     def quantised(self) -> bool:
@@ -37,11 +35,7 @@ PRECISIONS: dict[str, Precision] = {
     "float16": Precision("float16", torch.float16, "dense", summary="fp16 weights and activations"),
     "int8": Precision("int8", torch.float32, "int8", ("cpu",), "int8 weights per channel, bf16 activations"),
     "int4": Precision("int4", torch.float32, "int4", ("cpu",), "int4 weights in groups of 32, bf16 activations"),
-    "w8a8": Precision(
-        "w8a8", torch.float32, "w8a8", ("cpu",), "int8 weights, int8 activations per token",
-        known_divergence="on qwen2.5-coder-1.5b, HumanEval prompt 1 with prompt lookup parted from plain decoding at "
-                         "token 120 (docs/benchmarks.md); its speculative outputs are checked, not assumed, identical",
-    ),
+    "w8a8": Precision("w8a8", torch.float32, "w8a8", ("cpu",), "int8 weights, int8 activations per token"),
 }
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUTO = "auto"

@@ -21,7 +21,7 @@ from runtime.compiled import bucketed, compile_step, note_step, run_step, step_k
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.linear import Linear, head_backend, make_linear
+from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -190,7 +190,9 @@ class CausalLM:
         v = lin["v"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
         q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
         keys, values = a.cache.write(li, k, v, a.slots, a.key_len)  # [Hkv, S, D]
-        out = sdpa(q, keys, values, *a.mask_for(li), self.scale)  # [H, T, D]
+        # quantised activations round ulps into tokens: attention rows computed the same at every width
+        invariant = self.backend in ROW_INVARIANT_BACKENDS
+        out = sdpa(q, keys, values, *a.mask_for(li), self.scale, invariant=invariant)  # [H, T, D]
         o = lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
         if self.recorder is not None:
             self.recorder.attn(li, q, k, v, o)

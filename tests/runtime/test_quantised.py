@@ -225,3 +225,24 @@ def test_smollm_int4_comes_from_its_gguf_blocks_and_is_cached(tmp_path, monkeypa
     prepare_int4(again)
     name = "model.layers.0.mlp.down_proj"
     assert torch.equal(dict(again.hf_model.named_modules())[name].int4_weights.q, linears[name].int4_weights.q)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(12, 2), (4, 4)])
+def test_invariant_attention_rows_do_not_depend_on_the_call_width(heads, kv_heads):
+    """With ``invariant=True`` a query row attends exactly as it would alone: a verify of 11 rows
+    (packed GQA rows 66: the kernel's blocks 32 + 32 + 2) and a 1-row step agree bit for bit."""
+    from runtime.attention import sdpa
+
+    gen = torch.Generator().manual_seed(3)
+    slots, dim, rows = 300, 64, 11
+    k, v = torch.randn(kv_heads, slots, dim, generator=gen), torch.randn(kv_heads, slots, dim, generator=gen)
+    q = torch.randn(heads, rows, dim, generator=gen)
+    mask = torch.zeros(rows, slots, dtype=torch.bool)
+    mask[:, :250] = True
+    mask[:, 250 : 250 + rows] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    together = sdpa(q, k, v, mask, False, dim**-0.5, invariant=True)
+    for t in range(rows):
+        alone = sdpa(q[:, t : t + 1], k, v, mask[t : t + 1], False, dim**-0.5, invariant=True)
+        assert torch.equal(together[:, t : t + 1], alone), t
+    plain = sdpa(q, k, v, mask, False, dim**-0.5)
+    assert torch.allclose(together, plain, atol=1e-5)  # the same attention, up to rounding
