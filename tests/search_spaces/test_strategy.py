@@ -23,7 +23,7 @@ def test_json_round_trip(drafter, k, precision, vocab, threshold):
 @pytest.mark.parametrize(
     "field,value",
     [("draft_length", 0), ("draft_length", 65), ("draft_length", 2.5), ("drafter", "magic"),
-     ("draft_precision", "int4"), ("draft_vocab", 0), ("confidence_threshold", 1.5), ("schema_version", 99)],
+     ("draft_precision", "int3"), ("draft_vocab", 0), ("confidence_threshold", 1.5), ("schema_version", 99)],
 )
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(StrategyError, match=field):
