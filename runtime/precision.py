@@ -29,6 +29,7 @@ class Precision:
     def quantised(self) -> bool:
         return self.backend != "dense"
 
+
 PRECISIONS: dict[str, Precision] = {
     "float32": Precision("float32", torch.float32, "dense", summary="exact Hugging Face float32 arithmetic"),
     "bfloat16": Precision("bfloat16", torch.bfloat16, "dense", summary="bf16 weights and activations"),
