@@ -144,3 +144,17 @@ def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_to
         text, usage, info = "".join(parts), final.usage, final.model_extra["autotune"]
     assert usage.completion_tokens == len(info["token_ids"])
     return text, info["token_ids"], info
+
+
+# unknown traffic of one kind: far from code, homogeneous enough to route to its own centroid
+TRANSLATE = [f"Translate this sentence into French, keeping its tone: {s}" for s in (
+    "The weather was lovely for a walk along the river this morning.",
+    "My grandmother keeps a small garden full of tomatoes and roses.",
+    "Our train was delayed by an hour because of the snow.",
+    "The museum opens late on Fridays, so we went after dinner.",
+    "He finally learned to bake bread without burning the crust.",
+    "The children laughed at the puppet show in the park.",
+    "She writes letters to her old friends every winter.",
+    "We watched the sunset from the top of the hill.",
+    "The library is quiet except for the sound of pages turning.",
+)]

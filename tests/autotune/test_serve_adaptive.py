@@ -22,21 +22,9 @@ from runtime.pipeline import build_decoder, eos_ids
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt
-from tests.helpers import MODEL, LiveServer, chat, routing_texts
+from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, routing_texts
 
 LOOKUP = Strategy(drafter="prompt-lookup", draft_length=6)
-# unknown traffic of one kind: far from code, homogeneous enough to route to its own centroid
-TRANSLATE = [f"Translate this sentence into French, keeping its tone: {s}" for s in (
-    "The weather was lovely for a walk along the river this morning.",
-    "My grandmother keeps a small garden full of tomatoes and roses.",
-    "Our train was delayed by an hour because of the snow.",
-    "The museum opens late on Fridays, so we went after dinner.",
-    "He finally learned to bake bread without burning the crust.",
-    "The children laughed at the puppet show in the park.",
-    "She writes letters to her old friends every winter.",
-    "We watched the sunset from the top of the hill.",
-    "The library is quiet except for the sound of pages turning.",
-)]
 # a second kind of unknown traffic, far from both code and the translations
 RECIPES = [f"Suggest an easy dinner recipe with {s}, and list the steps in order." for s in (
     "chickpeas, spinach and garlic", "salmon, lemon and dill", "mushrooms, rice and thyme",

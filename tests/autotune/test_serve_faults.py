@@ -25,17 +25,11 @@ from autotune.serving.server import ServeConfig, build_server
 from autotune.store.storage import open_storage
 from autotune.tuning.tuner import OnlineTuner
 from tests.helpers import MODEL, LiveServer, chat
+from tests.helpers import TRANSLATE as ALL_TRANSLATE  # the first 6 are enough here
 
 pytestmark = pytest.mark.slow
 
-TRANSLATE = [f"Translate this sentence into French, keeping its tone: {s}" for s in (
-    "The weather was lovely for a walk along the river this morning.",
-    "My grandmother keeps a small garden full of tomatoes and roses.",
-    "Our train was delayed by an hour because of the snow.",
-    "The museum opens late on Fridays, so we went after dinner.",
-    "He finally learned to bake bread without burning the crust.",
-    "The children laughed at the puppet show in the park.",
-)]
+TRANSLATE = ALL_TRANSLATE[:6]
 RECIPES = [f"Suggest an easy dinner recipe with {s}, and list the steps in order." for s in (
     "chickpeas, spinach and garlic", "salmon, lemon and dill", "mushrooms, rice and thyme",
     "lentils, carrots and cumin", "tofu, ginger and broccoli", "potatoes, leeks and cream",
