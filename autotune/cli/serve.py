@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from autotune.cli.args import add_model_args
+from autotune.errors import CliError
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
 from autotune.serving.limits import API_KEY_ENV, Limits
 from autotune.serving.server import GRACE_S
@@ -54,6 +55,12 @@ def _add_adaptive_args(p: argparse.ArgumentParser) -> None:
     adapt.add_argument("--new-route-requests", type=int, default=AdaptDefaults.new_route_requests,
                        help="unknown requests of one topic (a pending cluster) that become a new route "
                             f"(default {AdaptDefaults.new_route_requests})")
+    adapt.add_argument("--max-routes", type=int, default=AdaptDefaults.max_routes,
+                       help="routes created from unknown traffic, at most (per model, draft and hardware; "
+                            f"default {AdaptDefaults.max_routes})")
+    adapt.add_argument("--store-prompts", action="store_true",
+                       help="store the text of the requests a route was re-tuned or created on (default: only "
+                            "their hashed word counts, enough to route by, not to read)")
     adapt.add_argument("--recheck-plain-requests", type=int, default=AdaptDefaults.recheck_plain_requests,
                        help="requests a route stored as plain serves before it re-checks whether speculation "
                             f"pays (default {AdaptDefaults.recheck_plain_requests})")
@@ -62,9 +69,12 @@ def _add_adaptive_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from autotune.serving.server import ServeConfig, serve
 
+    if args.store_prompts and not args.adaptive:
+        raise CliError("--store-prompts applies to adaptive serving (what a re-tune stores); add --adaptive")
     adaptive = AdaptDefaults(
         acceptance_drop=args.acceptance_drop, retune_requests=args.retune_requests, retune_share=args.retune_share,
         new_route_requests=args.new_route_requests, recheck_plain_requests=args.recheck_plain_requests,
+        max_routes=args.max_routes, store_prompts=args.store_prompts,
     ) if args.adaptive else None
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,

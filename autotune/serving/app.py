@@ -15,6 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,12 +31,13 @@ from autotune.serving.protocol import (
 )
 from autotune.serving.routing.book import StrategyBook
 from autotune.serving.text import TextStream
-from autotune.serving.worker import Job, Outcome
+from autotune.serving.worker import Choice, Job, Outcome
 from runtime.decoding import GenerationConfig, check_fits
 from runtime.errors import RuntimeUserError
 from runtime.sampling import SamplingParams
 from studies import Prompt, encode_prompt, routing_text
 
+LOOKUP_THREADS = 2  # threads reading explicit strategy ids from the store
 DEFAULT_CHAT_MAX_TOKENS = 256  # a chat request without max_tokens (OpenAI's own default is "up to the context")
 log = logging.getLogger("autotune.serve")
 
@@ -52,9 +54,11 @@ class Server:
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
+        self.lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="autotune-lookup")
 
     def close(self) -> None:
         """Stop the worker (the running request stops at its next round) and flush store writes."""
+        self.lookups.shutdown(wait=False, cancel_futures=True)
         self.worker.stop()
         if self.worker.adapter is not None:
             self.worker.adapter.close()
@@ -62,12 +66,24 @@ class Server:
     def names(self) -> set[str]:
         return {self.name, self.target.model_id}
 
-    def job(self, req: CompletionRequest | ChatCompletionRequest, prompt: Prompt, emit: Any,
-            default_max: int) -> tuple[Job, int]:
-        """Validate against the model and choose the strategy; -> (job, prompt tokens)."""
+    def check_model(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.model not in self.names():
             raise ApiError(404, f"model '{req.model}' is not served here; GET /v1/models lists '{self.name}'",
                            "model", code="model_not_found")
+
+    async def lookup(self, req: CompletionRequest | ChatCompletionRequest) -> Choice | None:
+        """The choice of an explicit strategy id the book does not hold, read from the store on
+        the lookup threads (a slow store delays these requests only, never tokenising); else None."""
+        if not self.book.needs_lookup(req.autotune.strategy):
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.lookups, self.book.choose, "", req.autotune.strategy)
+
+    def job(self, req: CompletionRequest | ChatCompletionRequest, prompt: Prompt, emit: Any,
+            default_max: int, choice: Choice | None = None) -> tuple[Job, int]:
+        """Validate against the model and choose the strategy (unless ``choice`` was looked up);
+        -> (job, prompt tokens)."""
+        self.check_model(req)
         ids = self.encode(prompt)
         room = self.context - len(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max, max(room, 1))
@@ -76,7 +92,8 @@ class Server:
         except RuntimeUserError as exc:
             param = "max_tokens" if ids else ("messages" if prompt.messages else "prompt")
             raise ApiError(400, str(exc), param, code="context_length_exceeded" if ids else "empty_prompt") from None
-        choice = self.book.choose(routing_text(prompt), req.autotune.strategy)
+        if choice is None:
+            choice = self.book.choose(routing_text(prompt), req.autotune.strategy)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
@@ -158,7 +175,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         (SIGTERM), when its decode worker died, or after ``worker.FAILING_AFTER`` internal decode
         failures in a row (``failing``; a success clears it). ``launcher`` answers "loading"."""
         condition = server.worker.condition()
-        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth}
+        worker = server.worker
+        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": worker.depth,
+                               # what it holds: decoders (each with its caches) and packed target widths
+                               "decoders": len(worker.decoders), "verify_widths": sorted(worker.widths)}
         if condition == "failing":
             out["consecutive_failures"] = server.worker.failures
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
@@ -249,7 +269,9 @@ async def _serve(server: Server, request: Request, req: Any, prompt: Prompt, kin
                  default_max: int) -> Any:
     server.worker.check_room()  # a full queue answers 503 before any tokenising or store lookup
     events = Events(server)
-    job, n_prompt = await asyncio.to_thread(server.job, req, prompt, events.emit, default_max)
+    server.check_model(req)
+    choice = await server.lookup(req)  # an explicit id's store read, apart from tokenising
+    job, n_prompt = await asyncio.to_thread(server.job, req, prompt, events.emit, default_max, choice)
     server.worker.submit(job)  # 503 when the queue filled meanwhile
     server.metrics.queue_depth.set(server.worker.depth)
     rid = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")

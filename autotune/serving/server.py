@@ -87,7 +87,8 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         worker.adapter = Adapter(cfg.adaptive, pool, target, cfg.draft, cfg.device, storage, book, metrics, worker)
         worker.verify_width = max(worker.verify_width, worker.adapter.width)  # one packed target for all
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
-        worker.decoder(strategy)
+        worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
+    worker.freeze_width()  # one packed target from now on
     return Server(cfg.model, target, worker, book, metrics, cfg.limits)
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autotune.serving.protocol import ApiError
@@ -29,12 +29,13 @@ from runtime.decoding import Decoder, GenerationConfig
 from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
-from search_spaces.strategy import Strategy
+from search_spaces.strategy import PLAIN, Strategy
 
 MAX_DECODERS = 8  # decoders kept per worker (each holds its drafter's caches), least recently used out
 RETRY_AFTER_S = 1  # what a 503 for a full queue, or from a draining server, suggests
 FAILING_AFTER = 3  # internal decode failures in a row after which /health answers 503 ("failing")
 HOLD_S = 2.0  # longest a finished request's answer waits for the store write its decode started
+CHECK_HOLD_S = 60.0  # ... and, before that, for the result's check on the decode thread
 log = logging.getLogger("autotune.serve")
 
 
@@ -47,7 +48,9 @@ class Choice:
     label: str  # stored strategy id, "plain" or "default" ("tuning" while the route re-tunes)
     distance: float | None = None  # to the route's centroid (auto routing only)
     entry: Any = None  # the routed store entry (``router.RouteEntry``), when routed to one
-    state: str = "stored"  # "tuning" while the route re-tunes on live traffic (``adaptive``)
+    # "tuning" while the route re-tunes on live traffic (``adaptive``); "unservable" when this
+    # server cannot run the stored strategy (``DecodeWorker.servable``): it decodes plainly
+    state: str = "stored"
 
 
 @dataclass
@@ -76,9 +79,11 @@ class Job:
     accepted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     # set by the adaptive layer when this request completed a re-tune: its answer waits for the
-    # result's store write (at most HOLD_S; the decode thread never waits), so its client reads
-    # its own write; a slow or failing store only delays this one answer
+    # result's check (at most CHECK_HOLD_S: the decode thread runs it, then the next request) and
+    # store write (at most HOLD_S), so its client reads its own write; a slow or failing store
+    # only delays this one answer
     hold: threading.Event | None = None
+    checked: threading.Event | None = None  # set once that result was checked and handed to the writer
 
 
 class DecodeWorker:
@@ -92,8 +97,11 @@ class DecodeWorker:
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
         self.decoders: OrderedDict[Strategy, Decoder] = OrderedDict()
         # one verify width for every speculative strategy: one packed copy of the target's weights
-        # (a 1.5B fp32 target costs ~6 GiB per width); a wider strategy stored later gets its own
+        # (a 1.5B fp32 target costs ~6 GiB per width); fixed once serving starts (``freeze_width``)
         self.verify_width = 0
+        self.width_frozen = False
+        self.widths: set[int] = set()  # the verify widths this worker's decoders were built for
+        self.unservable: dict[Strategy, str] = {}  # strategies it cannot run, and why
         self.busy = False
         self.failures = 0  # internal decode failures in a row
         # a fault-injection point for tests, called on the decode thread before each request;
@@ -196,14 +204,50 @@ class DecodeWorker:
             job.emit("error", err)
 
     def share_width(self, strategies: list[Strategy]) -> None:
-        """Pad every speculative strategy's verify pass to the widest of ``strategies``."""
+        """Pad every speculative strategy's verify pass to the widest of ``strategies`` (at
+        start-up, before ``freeze_width``)."""
+        if self.width_frozen:
+            raise RuntimeError("the verify width is fixed once the server serves")
         self.verify_width = max([self.verify_width] + [s.max_tree_nodes + 1 for s in strategies if s.speculates])
+
+    def freeze_width(self) -> None:
+        """From now on no strategy widens the verify pass: one packed copy of the target serves
+        them all (a wider one stored later decodes plainly until a restart; ``servable``)."""
+        self.width_frozen = True
+
+    def servable(self, strategy: Strategy) -> str | None:
+        """Why this server cannot decode ``strategy`` now (it then decodes plainly), or None."""
+        if strategy in self.decoders or not strategy.speculates:
+            return None
+        if strategy in self.unservable:
+            return self.unservable[strategy]
+        why = None
+        if self.width_frozen and self.verify_width and strategy.max_tree_nodes + 1 > self.verify_width:
+            why = (f"it verifies {strategy.max_tree_nodes + 1} tokens a round and this server packed its target "
+                   f"for {self.verify_width}; restart the server to serve it")
+        else:
+            try:
+                self.decoder(strategy)
+            except RuntimeUserError as exc:  # e.g. an int8 draft under --compile
+                why = str(exc)
+        if why is not None:
+            self.unservable[strategy] = why
+            log.warning("stored strategy %s cannot run on this server (%s); its requests decode plainly",
+                        strategy.to_json(), why)
+        return why
 
     def decoder(self, strategy: Strategy) -> Decoder:
         dec = self.decoders.get(strategy)
         if dec is None:
-            width = max(self.verify_width, strategy.max_tree_nodes + 1) if strategy.speculates else None
+            width = None
+            if strategy.speculates:
+                width = max(self.verify_width, strategy.max_tree_nodes + 1)
+                if self.width_frozen and self.verify_width and width > self.verify_width:
+                    raise RuntimeUserError(f"verify width {width} is wider than this server's {self.verify_width}")
+                self.verify_width = width  # the first speculative strategy of a server without one fixes it
             dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width)
+            if width is not None:
+                self.widths.add(width)
             self.decoders[strategy] = dec
             while len(self.decoders) > MAX_DECODERS:
                 self.decoders.popitem(last=False)
@@ -244,6 +288,8 @@ class DecodeWorker:
                 return
             finally:
                 self.busy, self._running = False, None
+            if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
+                self.adapter.after_answer(skip=self._closing)
 
     def _decode(self, job: Job) -> None:
         # text is decoded between rounds only when someone reads it then: a streaming client, or
@@ -257,8 +303,10 @@ class DecodeWorker:
                 self._release(job, job.stream.push(tokens))
             return job.stream.stopped or job.cancelled.is_set()
 
+        if self.servable(job.choice.strategy) is not None:  # logged once; lossless either way
+            job.choice = replace(job.choice, strategy=PLAIN, label="plain", state="unservable")
         try:
-            if self.adapter is not None:
+            if self.adapter is not None and job.choice.state != "unservable":
                 result = self.adapter.generate(job, after_round)
             else:
                 result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
@@ -286,6 +334,8 @@ class DecodeWorker:
             return
 
         def answer_when_stored() -> None:  # off the decode thread: it goes on with the next request
+            if job.checked is not None:
+                job.checked.wait(CHECK_HOLD_S)
             hold.wait(HOLD_S)
             job.emit("done", outcome)
 

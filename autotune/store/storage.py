@@ -44,7 +44,7 @@ from autotune.store.schema import (
 from search_spaces.strategy import Strategy
 
 __all__ = [
-    "PROMPTS_PER_RECORD", "PROMPT_CHARS", "HistoryEntry", "ResultMetrics", "Storage", "StoredStrategy", "StrategyKey",
+    "PROMPTS_PER_RECORD", "PROMPT_CHARS", "HistoryEntry", "KeyTaken", "ResultMetrics", "Storage", "StoredStrategy", "StrategyKey",
     "default_storage_url", "open_storage",
 ]
 
@@ -81,7 +81,7 @@ class Storage:
     # ------------------------------------------------------------------ writes
     def record(
         self, key: StrategyKey, strategy: Strategy, metrics: ResultMetrics, prompts: Sequence[str] = (),
-        supersedes: int | None = None,
+        supersedes: int | None = None, offer: bool = True, new_key: bool = False,
     ) -> int:
         """Append a history row with the ``prompts`` the strategy was tuned on (their routing texts,
         bounded as ``bounded_prompts`` says) and make ``strategy`` the key's best when its score
@@ -90,7 +90,11 @@ class Storage:
         ``supersedes``: the history row of the best this result re-tunes (the traffic changed, so
         scores measured on the old traffic no longer compare): the best is replaced while it is
         still that row; once another result replaced it (a second replica re-tuning the same
-        route), the higher score stays. Every result keeps its history row either way."""
+        route), the higher score stays. Every result keeps its history row either way.
+
+        ``offer=False`` appends the history row only (a result that must not replace the best).
+        ``new_key=True`` claims a key no one holds: when the key has a best row already (another
+        replica created it first), nothing is written and ``KeyTaken`` is raised."""
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Strategy, got {type(strategy).__name__}")
         text = strategy.to_json()
@@ -105,7 +109,10 @@ class Storage:
             if texts:
                 rows = [{"history_id": history_id, "position": i, "text": t} for i, t in enumerate(texts)]
                 conn.execute(insert(prompts_table), rows)
-            _offer_best(conn, key, text, metrics, history_id, now, supersedes)
+            if new_key and conn.execute(select(best_table.c.id).where(key_match(best_table, key))).first():
+                raise KeyTaken(key.task)  # rolls the transaction back: no history row either
+            if offer:
+                _offer_best(conn, key, text, metrics, history_id, now, supersedes, new_key)
             return int(history_id)
 
         return self._write(work)
@@ -224,16 +231,21 @@ class Storage:
             raise StorageError(f"storage {self.display_url} failed: {first_line(exc)}") from exc
 
 
+class KeyTaken(Exception):
+    """``record(..., new_key=True)`` found the key held already (its task name is the message)."""
+
+
 class _Retry(Exception):
     """A write transaction hit a transient conflict and is tried again."""
 
 
 def _offer_best(
     conn: Connection, key: StrategyKey, text: str, metrics: ResultMetrics, history_id: int, now: datetime,
-    supersedes: int | None = None,
+    supersedes: int | None = None, new_key: bool = False,
 ) -> None:
     """Insert the key's best row, or replace it when ``metrics.score`` is strictly higher (or
-    while it is still the row ``supersedes`` names)."""
+    while it is still the row ``supersedes`` names). ``new_key``: a concurrent first insert of the
+    key (another replica's) raises ``KeyTaken`` instead of being compared with."""
     measured = metrics.as_row()
     values = {name: measured[name] for name in ("score", "measured_tps", "predicted_tps", "acceptance", "study_name")}
     values.update(strategy=text, history_id=history_id, updated_at=now)
@@ -243,11 +255,15 @@ def _offer_best(
         stmt = dialect_insert(best_table).values(**key.as_row(), **values)
         if conn.execute(stmt.on_conflict_do_nothing(index_elements=list(KEY_LIMITS))).rowcount == 1:
             return
+        if new_key:
+            raise KeyTaken(key.task)
     else:  # generic: lock the row; a concurrent first insert fails the unique key and is retried
         found = conn.execute(select(best_table.c.id).where(key_match(best_table, key)).with_for_update()).first()
         if found is None:
             conn.execute(insert(best_table).values(**key.as_row(), **values))
             return
+        if new_key:
+            raise KeyTaken(key.task)
     better = best_table.c.score < metrics.score
     if supersedes is not None:
         better = or_(better, best_table.c.history_id == supersedes)

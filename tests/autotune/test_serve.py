@@ -261,6 +261,8 @@ def test_cli_serve_starts_and_exits_0_on_sigterm(store, tmp_path):
     (["--model", "no-such-model"], "unknown model"),
     (["--model", MODEL, "--storage", "postgresql://x@127.0.0.1:1/db"], "cannot open storage"),
     (["--model", MODEL, "--max-queue", "0"], "--max-queue"),
+    (["--model", MODEL, "--store-prompts"], "--store-prompts applies to adaptive serving"),
+    (["--model", MODEL, "--adaptive", "--max-routes", "0"], "max_routes=0 must be a positive integer"),
 ])
 def test_cli_serve_startup_errors(args, needle):
     proc = subprocess.run([sys.executable, "-m", "autotune.cli", "serve", *args, "--port", "0"],

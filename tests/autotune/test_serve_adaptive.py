@@ -145,7 +145,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
     tokens = 32
     with open_storage(url) as storage:
         key, old = store_humaneval_lookup(storage, pool, smollm, "humaneval", routing_texts("humaneval", 8, 0), tokens)
-        settings = AdaptSettings(min_requests=2, retune_requests=3)
+        settings = AdaptSettings(min_requests=2, retune_requests=3, store_prompts=True)
         # every request routes to the one stored task (the GSM8K traffic lands on HumanEval's route)
         server = build_server(ServeConfig(model=MODEL, storage=url, route_distance=0.99, adaptive=settings),
                               storage, pool=pool)
@@ -168,18 +168,21 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
             assert first <= 2 + 8
             assert infos[first]["strategy"] == "tuning" and infos[first]["drafted"] == 0  # plain at once
             events = server.worker.adapter.events
-            assert [e["event"] for e in events] == ["retune", "stored"] and events[0]["route"] == "humaneval"
+            # the result replaces the entry ("stored") when it decoded the re-tune's requests at least
+            # as fast as the stored lookup, else the entry stays ("kept"; the rule is tested apart,
+            # with controlled timings, in test_serve_bounds); either way with history
+            assert [e["event"] for e in events] in (["retune", "stored"], ["retune", "kept"])
+            assert events[0]["route"] == "humaneval"
             health = httpx.get(f"{live.url}/health").json()["routes"]
             assert health["humaneval"]["retunes"] == 1
-            # the entry is updated in place, with history
             history = storage.history(key)
             best = storage.best(key)
             assert [h.id for h in history][0] == old and len(history) == 2
-            assert best.history_id == history[1].id == events[1]["history_id"]
-            assert best.study_name == "serve:humaneval"
+            assert history[1].id == events[1]["history_id"] and history[1].study_name == "serve:humaneval"
+            assert best.history_id == (history[1].id if events[1]["event"] == "stored" else old)
             # the route's prompts, then the texts of the requests it re-tuned on
             tuned_on = sent[first:first + settings.retune_requests]
-            assert storage.prompts(best.history_id) == routing_texts("humaneval", 8, 0) + tuned_on
+            assert storage.prompts(history[1].id) == routing_texts("humaneval", 8, 0) + tuned_on
             # later requests decode with the re-tuned entry (stored state again)
             text = routing_texts("gsm8k", 1, 30)[0]
             _, ids, info = chat(client, text, max_tokens=tokens)
@@ -194,7 +197,7 @@ def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
     with open_storage(url) as storage:
         storage.record(key, LOOKUP, ResultMetrics.from_throughput(20.0, acceptance=0.5),
                        prompts=routing_texts("humaneval", 8, 0))
-        settings = AdaptSettings(new_route_requests=3, retune_requests=2)
+        settings = AdaptSettings(new_route_requests=3, retune_requests=2, store_prompts=True)
         server = build_server(ServeConfig(model=MODEL, storage=url, adaptive=settings), storage, pool=pool)
         with LiveServer(server) as live:
             client = live.client()
@@ -259,13 +262,15 @@ def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path)
                 assert ids == plain_ids(pool, smollm, text, tokens)
                 assert info["route"] == "unknown"
                 states.append(info["state"])
-                if server.worker.adapter.events and server.worker.adapter.events[-1]["event"] == "stored":
+                if server.worker.adapter.events and server.worker.adapter.events[-1]["event"] in ("stored", "kept"):
                     break
             assert "tuning" in states, states
-            [stored] = [e for e in server.worker.adapter.events if e["event"] == "stored"]
-            assert stored["route"] == "unknown" and stored["task"] == "prompts"
+            # replaced, or kept when the stored lookup decoded the re-tune's requests faster (see above)
+            [result] = [e for e in server.worker.adapter.events if e["event"] in ("stored", "kept")]
+            assert result["route"] == "unknown" and result["task"] == "prompts"
             best = next(b for b in storage.list_best() if b.key.task == "prompts")
-            assert best.history_id != old and len(storage.history(key)) == 2
+            assert len(storage.history(key)) == 2
+            assert (best.history_id == old) == (result["event"] == "kept")
 
 
 def _pg_database(base: str, name: str) -> str:

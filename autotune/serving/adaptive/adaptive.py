@@ -1,25 +1,30 @@
 """Adaptive serving: drift detection per route, plain fallback, re-tuning on live traffic, and
 new routes from unknown traffic.
 
-Every auto-routed request feeds its route's **health**: exponentially weighted acceptance and
-decode tokens/s (``ewma`` = the newest request's weight). After ``min_requests`` requests a route
-whose stored strategy speculates is judged (``judge``):
+Every auto-routed request feeds its route's **health** (``health``): exponentially weighted
+acceptance and decode tokens/s (``ewma`` = the newest request's weight), greedy and sampled
+requests apart. After ``min_requests`` requests of a band a route whose stored strategy
+speculates is judged (``judge``):
 
-- **slower than plain**: its tokens/s is below plain decoding's measured speed on this machine
-  (``slower_margin`` below it; plain's speed is an EWMA over the requests decoded plainly, the
-  cost model's timed step until there is one). It falls back to plain decoding at once, and
-- **acceptance drift**: its acceptance fell below ``(1 - acceptance_drop)`` x the acceptance its
-  strategy was stored with, and by at least ``acceptance_floor_drop`` (for a row stored without
-  one: the route's first judged figure).
+- **slower than plain**: its tokens/s is below plain decoding's speed on this route's own requests
+  (``slower_margin`` below it; the cost model's timed step until the route has decoded plainly).
+  It falls back to plain decoding at once, and
+- **acceptance drift**: the greedy band's acceptance fell below ``(1 - acceptance_drop)`` x the
+  acceptance its strategy was stored with (measured greedily), and by at least
+  ``acceptance_floor_drop``; the sampled band is compared with its own first figure.
 
-Either way the route **re-tunes**: its next ``retune_requests`` requests decode with the online
-tuner (``autotune.tuning.tuner``, the ``auto`` space, tuning at most ``retune_share`` of their decode
-time). The tuner's incumbent is plain decoding until a candidate measured faster on this route's
-tokens, so the fallback is immediate and greedy output stays plain decoding's throughout. At
-the end the tuner's pick is checked against plain decoding's measured speed on the same requests,
-and the faster one is stored as the route's entry: a new history row (with the route's prompts and
-the requests' texts), replacing the best row it re-tuned (``Storage.record(..., supersedes=)``:
-a second replica that re-tuned the same route keeps the better of the two). The book is refitted.
+Either way the route **re-tunes** (``retune.Retune``): its next ``retune_requests`` requests decode
+with the online tuner (``autotune.tuning.tuner``, the ``auto`` space, tuning at most
+``retune_share`` of their decode time; the stored strategy is the first candidate). The tuner's
+incumbent is plain decoding until a candidate measured faster on this route's tokens, so the
+fallback is immediate and greedy output stays plain decoding's throughout. At the end the tuner's
+pick is checked against plain decoding's measured speed on the same requests, and the faster one
+is the result. It is checked on the first ``check_requests`` requests it tuned on (greedily,
+``check_tokens`` each, decoded after the last request's answer, on the decode thread): stored only
+when its output equals plain decoding's (the rule ``study`` applies), and replacing the best row
+it re-tuned (``Storage.record(..., supersedes=)``) only when it decoded them at least as fast as
+the route's stored strategy did; otherwise only its history row is written and the route keeps
+its strategy, judged from then on against the acceptance it measured on the new traffic.
 
 A route stored as **plain** decoding has no acceptance to drift; traffic that turned
 speculation-friendly would never be noticed. After ``recheck_plain_requests`` requests on its
@@ -33,143 +38,62 @@ route, so where the default is slower than plain it falls back and re-tunes, and
 stored as the general entry (later unknown requests decode with it). On the Qwen pair's replay the
 default ran 1.20x plain on MT-Bench questions, which route to ``unknown``.
 
-They also collect into **pending clusters**
-(``PendingClusters``): each joins the nearest cluster by the router's own TF-IDF centroid distance
-and threshold, or opens a new one, so mixed unknown traffic becomes several routes, not one. After
-``new_route_requests`` requests a cluster re-tunes like a route (its next requests decode with the
-tuner) and is stored as a new task named from its top TF-IDF terms (``auto:word-word``), with its
-prompts, and the router refits: later requests of that kind route there directly.
+They also collect into **pending clusters** (``PendingClusters``, at most ``max_clusters``; an
+evicted cluster's re-tune is dropped with it): each joins the nearest cluster by the router's own
+TF-IDF centroid distance and threshold, or opens a new one, so mixed unknown traffic becomes
+several routes, not one. After ``new_route_requests`` requests a cluster re-tunes like a route and
+is stored as a new task named from its top TF-IDF words (``auto:word-word``; without
+``store_prompts`` a hash of them, ``auto:topic-3f9a01c2``), and the router refits: later requests of
+that kind route there directly. At most ``max_routes`` such routes exist per model, draft and
+hardware. A new route's name is claimed in the store at the write (``Storage.record(new_key=)``),
+so two replicas naming the same topic store two routes, never one over the other.
 
-Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are served as asked (they
-feed plain decoding's measured speed). Everything here runs on the decode worker's thread but
-the store writes: a re-tune's result goes to a background writer (``writer.StoreWriter``, bounded
-retries), so a slow or locked store never stalls decoding nor fails a request that decoded; the
-request that completed the re-tune answers once the result is stored (at most ``worker.HOLD_S``).
-A re-tune that raises is dropped: its route goes on with its stored strategy. ``/health`` reads
+What is stored with a result: the route's prompts, then the requests' routing texts as their
+hashed terms (``routing.terms``: routable, not readable back as text), or as text with
+``store_prompts``.
+
+Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are served as asked and
+measured for no route. Everything here runs on the decode worker's thread but the store writes: a
+re-tune's result goes to a background writer (``writer.StoreWriter``, bounded retries), so a slow
+or locked store never stalls decoding nor fails a request that decoded; the request that completed
+the re-tune answers once the result is checked and stored (at most ``worker.HOLD_S``). A re-tune
+that raises is dropped: its route goes on with its stored strategy. ``/health`` reads
 ``describe()``, a snapshot the worker publishes after each request, never the live state.
 """
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import optuna
 
-from autotune.serving.adaptive.clusters import PendingClusters, new_route_name, unique_name
+from autotune.serving.adaptive.clusters import NEW_ROUTE_PREFIX, PendingClusters, new_route_name, unique_name
+from autotune.serving.adaptive.health import RouteHealth, judge
+from autotune.serving.adaptive.retune import Retune, timed
 from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.adaptive.writer import StoreWriter, Write
 from autotune.serving.routing.book import GENERAL_TASK
 from autotune.serving.routing.router import UNKNOWN
+from autotune.serving.routing.terms import as_terms
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
+from autotune.store.storage import KeyTaken
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats
+from search_spaces.errors import SpaceError
 from search_spaces.strategy import PLAIN, Strategy
 
 ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
 EVENTS_KEPT = 256
 log = logging.getLogger("autotune.serve")
 
-
-def _ewma(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1.0 - weight) * old + weight * new
-
-
-@dataclass
-class RouteHealth:
-    """What a route measured since its strategy was stored (or re-tuned)."""
-
-    route: str
-    strategy: Strategy
-    label: str  # the stored row's id, or "plain"
-    stored_acceptance: float | None  # what the strategy was stored with (None: not known)
-    history_id: int | None = None  # the stored best's history row (what a re-tune supersedes)
-    acceptance: float | None = None
-    tps: float | None = None
-    requests: int = 0
-    retunes: int = 0
-    fallbacks: int = 0
-    reason: str = ""  # why it last re-tuned
-
-    def observe(self, stats: DecodeStats, weight: float) -> None:
-        self.requests += 1
-        if stats.drafted:
-            self.acceptance = _ewma(self.acceptance, stats.acceptance_rate, weight)
-        if stats.decode_tokens_per_s:
-            self.tps = _ewma(self.tps, stats.decode_tokens_per_s, weight)
-
-
-def judge(health: RouteHealth, plain_tps: float | None, settings: AdaptSettings) -> str | None:
-    """Why ``health``'s route must re-tune now, or None: the server's drift rule. Its one side
-    effect: a row stored without an acceptance takes the first judged figure as its reference."""
-    if not health.strategy.speculates:  # nothing to drift: re-check now and then whether speculation pays
-        if health.requests >= settings.recheck_plain_requests:
-            return f"plain for {health.requests} requests: re-checking whether speculation pays"
-        return None
-    if health.requests < settings.min_requests:
-        return None
-    if plain_tps and health.tps is not None and health.tps < (1.0 - settings.slower_margin) * plain_tps:
-        return f"slower than plain ({health.tps:.2f} < {plain_tps:.2f} tok/s)"
-    if health.acceptance is None:
-        return None
-    if health.stored_acceptance is None:  # stored without one: the first judged figure is the reference
-        health.stored_acceptance = health.acceptance
-        return None
-    bar = min((1.0 - settings.acceptance_drop) * health.stored_acceptance,
-              health.stored_acceptance - settings.acceptance_floor_drop)
-    if health.acceptance < bar:
-        return f"acceptance {health.acceptance:.2f} < {bar:.2f} (stored {health.stored_acceptance:.2f})"
-    return None
-
-
-@dataclass
-class Retune:
-    """The online tuner on one route's live requests."""
-
-    route: str  # the route re-tuned (``unknown``: a new route)
-    task: str  # the store key's task it will be recorded under
-    decoder: Decoder
-    tuner: OnlineTuner
-    prompts: list[str]  # routing texts stored with the result (the entry's, then the requests')
-    supersedes: int | None
-    reason: str
-    cluster: int | None = None  # the pending cluster of unknown traffic it turns into a route
-    requests: int = 0
-    wall_s: float = 0.0
-    stats: DecodeStats = field(default_factory=DecodeStats)
-
-    @property
-    def key(self) -> str:
-        """Its key among the running re-tunes: the route, or ``unknown#<cluster>``."""
-        return self.route if self.cluster is None else f"{self.route}#{self.cluster}"
-
-    def generate(self, ids: list[int], cfg: Any, text: str, after_round: Callable | None) -> GenerationResult:
-        self.tuner.start_prompt(len(ids))
-        t0 = time.perf_counter()
-        result = self.decoder.generate(ids, cfg, before_round=self.tuner.before_round, after_round=after_round)
-        self.tuner.end_prompt(ids + result.tokens, result.stats)
-        self.wall_s += time.perf_counter() - t0
-        self.requests += 1
-        self.stats = self.stats.merge(result.stats)
-        self.prompts.append(text)
-        return result
-
-    def outcome(self) -> tuple[Strategy, float, float | None, float | None]:
-        """-> (strategy to store, its measured tokens/s, acceptance, predicted tokens/s): the
-        tuner's pick when it measured faster than plain decoding on these requests, else plain."""
-        tuner = self.tuner
-        plain = tuner.kept[0]  # plain decoding: the incumbent every re-tune starts from
-        plain_tps = plain.recent_tps or plain.measured_tps or 0.0
-        best = next((k for k in reversed(tuner.kept) if k.strategy == tuner.best), plain)
-        if best.strategy.speculates and (best.measured_tps or 0.0) > plain_tps:
-            return best.strategy, best.measured_tps or 0.0, best.acceptance, tuner.predicted_tps(best.strategy)
-        return PLAIN, plain_tps, None, plain_tps or None
+__all__ = ["Adapter", "PendingClusters", "Retune", "RouteHealth", "judge", "new_route_name", "unique_name"]
 
 
 class Adapter:
@@ -189,11 +113,16 @@ class Adapter:
         self.standby = standby_strategies(self.space, self.ctx)
         self.health: dict[str, RouteHealth] = {}
         self.retunes: dict[str, Retune] = {}
-        self.pending = PendingClusters(book.router.threshold)  # unknown requests' routing texts, by topic
-        self.plain_tps: float | None = None
+        self.pending = PendingClusters(book.router.threshold, settings.max_clusters)  # unknown requests, by topic
+        # a re-tune that kept the stored strategy: the acceptance it measured on the new traffic
+        # becomes the route's reference (route -> (history row, acceptance)), so it is not re-tuned again
+        self.references: dict[str, tuple[int | None, float | None]] = {}
         self.cost: MeasuredCostModel | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)  # re-tunes and stored results, in order
         self.writer = StoreWriter(metrics)  # the store writes, off this thread
+        # work after a request was answered, and the event its answer waits for
+        self.deferred: deque[tuple[Callable[[], None], tuple[threading.Event, ...]]] = deque()
+        self._capped = False  # logged that the route cap was reached
         self._published: dict[str, Any] = {}
         self._publish()
 
@@ -204,6 +133,22 @@ class Adapter:
             return self._generate(job, after_round)
         finally:
             self._publish()
+
+    def after_answer(self, skip: bool = False) -> None:
+        """Work a request left for after its answer (a re-tune's lossless check and store write);
+        ``skip`` (the server is draining): none, its answer goes out at once."""
+        while self.deferred:
+            work, waiting = self.deferred.popleft()
+            try:
+                if not skip:
+                    work()
+            except Exception:
+                log.exception("adaptive serving's work after a request failed; the route keeps its stored strategy")
+            finally:
+                if skip:  # else the work sets them (a write sets its own once it landed)
+                    for event in waiting:
+                        event.set()
+        self._publish()
 
     def describe(self) -> dict[str, Any]:
         """Per-route figures for ``/health``: the snapshot published after the last request (safe
@@ -216,9 +161,8 @@ class Adapter:
     # ------------------------------------------------------------------ internals
     def _generate(self, job: Any, after_round: Callable) -> GenerationResult:
         choice = job.choice
-        if choice.route in ADAPTIVE_ROUTES_EXCLUDED:
-            return self._plainly_measured(job, self.worker.decoder(choice.strategy).generate(
-                job.ids, job.cfg, after_round=after_round))
+        if choice.route in ADAPTIVE_ROUTES_EXCLUDED:  # served as asked, measured for no route
+            return self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
         if choice.route == UNKNOWN and choice.entry is None:  # no general entry yet: the server's default
             default = self.book.default
             choice = job.choice = replace(choice, strategy=default, label="default" if default.speculates else "plain")
@@ -228,29 +172,59 @@ class Adapter:
             or self.retunes.get(choice.route)
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
+            if retune.cluster is not None:
+                self.pending.touch(retune.cluster)  # a cluster re-tuning is not the stalest
             try:
-                result = retune.generate(job.ids, job.cfg, job.text, after_round)
+                result = retune.generate(job.ids, job.cfg, self._storable(job.text), after_round)
             except Exception:  # this request fails; its route goes on with its stored strategy
                 self._drop(retune, "failed")
                 raise
             self._after_decode(lambda: self._after_retune_request(retune, job))
             return result
         result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
-        self._plainly_measured(job, result)
-        self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats))
+        sampled = not job.cfg.sampling.greedy
+        self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
         return result
 
-    def _judge(self, health: RouteHealth, choice: Any, cluster: int | None, text: str, stats: DecodeStats) -> None:
+    def _judge(self, health: RouteHealth, choice: Any, cluster: int | None, text: str, stats: DecodeStats,
+               sampled: bool) -> None:
+        if not choice.strategy.speculates:
+            health.observe_plain(stats, self.settings.ewma)
         if cluster is not None:  # far from every route: collect them by topic into new ones
             size = self.pending.add(cluster, text)
-            if size >= self.settings.new_route_requests:
+            self._drop_evicted()
+            if size >= self.settings.new_route_requests and self._room_for_a_route():
                 self._start(health, f"{size} requests far from every route", cluster)
                 return
-        health.observe(stats, self.settings.ewma)
-        reason = judge(health, self._plain_tps(), self.settings)
+        health.observe(stats, self.settings.ewma, sampled)
+        reason = judge(health, self._plain_tps(health), self.settings)
         if reason is not None and choice.route not in self.retunes:
             health.fallbacks += reason.startswith("slower")
             self._start(health, reason)
+
+    def _drop_evicted(self) -> None:
+        """Re-tunes of the pending clusters just dropped to make room go with them."""
+        for cid in self.pending.take_evicted():
+            retune = self.retunes.get(f"{UNKNOWN}#{cid}")
+            if retune is not None:
+                self._drop(retune, "evicted")
+
+    def _room_for_a_route(self) -> bool:
+        """Whether unknown traffic may become one more route (``max_routes`` counts the stored ones
+        of this model, draft and hardware, and the re-tunes creating one)."""
+        made = {e.task for e in self.book.entries if e.task.startswith(NEW_ROUTE_PREFIX)}
+        making = sum(r.cluster is not None for r in self.retunes.values())
+        if len(made) + making < self.settings.max_routes:
+            return True
+        if not self._capped:
+            log.warning("unknown traffic is not turned into more routes: %d of --max-routes %d exist or are "
+                        "being made; it decodes with the general entry", len(made) + making, self.settings.max_routes)
+            self._capped = True
+        return False
+
+    def _storable(self, text: str) -> str:
+        """A request's routing text as the store keeps it: the text only with ``store_prompts``."""
+        return text if self.settings.store_prompts else as_terms(text)
 
     @staticmethod
     def _after_decode(work: Callable[[], None]) -> None:
@@ -264,11 +238,13 @@ class Adapter:
     def _publish(self) -> None:
         self._published = {
             route: {"strategy": h.label, "state": "tuning" if route in self.retunes else "stored",
-                    "acceptance": h.acceptance, "stored_acceptance": h.stored_acceptance, "tokens_per_s": h.tps,
-                    "requests": h.requests, "retunes": h.retunes, "fallbacks": h.fallbacks, "reason": h.reason}
+                    "acceptance": h.acceptance, "stored_acceptance": h.stored_acceptance,
+                    "sampled_acceptance": h.sampled.acceptance, "tokens_per_s": h.tps,
+                    "plain_tokens_per_s": h.plain_tps, "requests": h.requests, "retunes": h.retunes,
+                    "fallbacks": h.fallbacks, "reason": h.reason}
             for route, h in self.health.items()
-        } | {"plain_tokens_per_s": self.plain_tps, "pending_unknown": sum(self.pending.sizes().values()),
-             "pending_clusters": list(self.pending.sizes().values())}
+        } | {"pending_unknown": sum(self.pending.sizes().values()),
+             "pending_clusters": list(self.pending.sizes().values()), "live_retunes": len(self.retunes)}
 
     def _health(self, choice: Any) -> RouteHealth:
         """The route's health; a new one when the route's stored entry changed (re-tuned here, by
@@ -278,64 +254,76 @@ class Adapter:
         history_id = entry.history_id if entry is not None else None
         if h is None or h.label != choice.label or h.strategy != choice.strategy or h.history_id != history_id:
             old = h
-            h = self.health[choice.route] = RouteHealth(
-                choice.route, choice.strategy, choice.label,
-                stored_acceptance=entry.acceptance if entry is not None else None, history_id=history_id,
-            )
+            reference = entry.acceptance if entry is not None else None
+            kept = self.references.get(choice.route)
+            if kept is not None and kept[0] == history_id and kept[1] is not None:
+                reference = kept[1]
+            h = self.health[choice.route] = RouteHealth(choice.route, choice.strategy, choice.label,
+                                                        stored_acceptance=reference, history_id=history_id)
             if old is not None:
-                h.retunes, h.fallbacks = old.retunes, old.fallbacks
+                h.retunes, h.fallbacks, h.plain_tps = old.retunes, old.fallbacks, old.plain_tps
         return h
 
-    def _plainly_measured(self, job: Any, result: GenerationResult) -> GenerationResult:
-        if not job.choice.strategy.speculates and result.stats.decode_tokens_per_s:
-            self.plain_tps = _ewma(self.plain_tps, result.stats.decode_tokens_per_s, self.settings.ewma)
-        return result
-
-    def _plain_tps(self) -> float | None:
-        if self.plain_tps is None:  # nothing decoded plainly yet: the cost model's timed step
+    def _plain_tps(self, health: RouteHealth) -> float | None:
+        """Plain decoding's speed on this route; the cost model's timed step until it has one."""
+        if health.plain_tps is None:
             step = self._cost().plain_step_s()
             return 1.0 / step if step > 0 else None
-        return self.plain_tps
+        return health.plain_tps
 
     def _cost(self) -> MeasuredCostModel:
         if self.cost is None:
             dec = self._decoder()
             drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
             self.cost = MeasuredCostModel(draft=drafting.model if drafting is not None else dec.target,
-                                          target=dec.target, verify_width=self.width, context=512,
+                                          target=dec.target, verify_width=self.worker.verify_width, context=512,
                                           repeats=1, warm=False)
         return self.cost
 
     def _decoder(self) -> Decoder:
+        """A tuning decoder: every drafter kind of the space, at the worker's one verify width."""
         from runtime.pipeline import build_decoder
 
         uses_draft = self.draft if "draft-model" in self.space.kinds(self.ctx) else None
-        return build_decoder(self.pool, self.target, PLAIN, uses_draft, verify_width=self.width, standby=self.standby)
+        width = max(self.worker.verify_width, self.width)  # == the worker's: build_server made it so
+        self.worker.widths.add(width)
+        return build_decoder(self.pool, self.target, PLAIN, uses_draft, verify_width=width, standby=self.standby)
 
     def _start(self, health: RouteHealth, reason: str, cluster: int | None = None) -> None:
         """Re-tune ``health``'s route (or the pending ``cluster`` of unknown traffic) on its next
-        requests (plain decoding first)."""
+        requests (plain decoding first; the stored strategy is the first candidate tried)."""
         s = self.settings
-        settings = TunerSettings(max_share=s.retune_share)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(direction="maximize")
-        tuner = OnlineTuner(self.space, self.ctx, study, self._cost(), settings)
+        stored = health.strategy if cluster is None else PLAIN
+        initial = stored if stored.speculates and self._in_space(stored) else PLAIN
+        tuner = OnlineTuner(self.space, self.ctx, study, self._cost(), TunerSettings(max_share=s.retune_share),
+                            initial)
         if cluster is not None:
             known = [p for e in self.book.entries for p in e.prompts]
             texts = self.pending.texts(cluster)
             taken = {e.task for e in self.book.entries} | {r.task for r in self.retunes.values()}
-            task, prompts, supersedes = unique_name(new_route_name(texts, known), taken), texts, None
+            name = new_route_name(texts, known, readable=s.store_prompts)
+            task, prompts, supersedes = unique_name(name, taken), [self._storable(t) for t in texts], None
         else:  # a route, or ``unknown`` as a whole: its result is the general entry
             task = GENERAL_TASK if health.route == UNKNOWN else health.route
             entry = next((e for e in self.book.entries if e.task == task), None)
             prompts, supersedes = list(entry.prompts) if entry else [], health.history_id
-        retune = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason, cluster)
+        retune = Retune(health.route, task, self._decoder(), tuner, prompts, supersedes, reason, cluster,
+                        stored=stored, stored_acceptance=health.acceptance, keep_ids=s.check_requests)
         self.retunes[retune.key] = retune
         health.retunes += 1
         health.reason = reason
         self.metrics.retunes.labels(health.route).inc()
         self.events.append({"event": "retune", "route": health.route, "task": task, "reason": reason,
                             "requests": health.requests})
+
+    def _in_space(self, strategy: Strategy) -> bool:
+        try:
+            self.space.encode(strategy, self.ctx)
+        except SpaceError:
+            return False
+        return True
 
     def _drop(self, retune: Retune, why: str) -> None:
         """End ``retune`` now (its decoder, caches and study go with it); its route is judged
@@ -346,34 +334,88 @@ class Adapter:
         health = self.health.get(retune.route)
         if health is not None:  # judged afresh (see _health)
             health.label = ""
-        if why != "done":
-            log.error("the re-tune of route %s %s; the route keeps its stored strategy", retune.route, why,
+        if why == "failed":
+            log.error("the re-tune of route %s failed; the route keeps its stored strategy", retune.route,
                       exc_info=True)
-            self.events.append({"event": "retune_failed", "route": retune.route, "task": retune.task})
+        if why != "done":
+            self.events.append({"event": f"retune_{why}", "route": retune.route, "task": retune.task})
 
     def _after_retune_request(self, retune: Retune, job: Any) -> None:
-        """After the last request of ``retune``: hand its result to the store writer; ``job``'s
-        answer waits for the write (``worker.HOLD_S`` at most), the decode thread does not."""
+        """After the last request of ``retune``: decide what it stores; the check and the write come
+        after this request's answer is ready (``after_answer``), which waits for them
+        (``worker.CHECK_HOLD_S`` and ``worker.HOLD_S`` at most)."""
         if retune.requests < self.settings.retune_requests:
             return
         self._drop(retune, "done")
         strategy, tps, acceptance, predicted = retune.outcome()
+        health = self.health.get(retune.route)
+        if health is not None and retune.plain_tps():
+            health.plain_tps = retune.plain_tps()  # plain decoding measured on this route's requests
+        hold, checked = threading.Event(), threading.Event()
+        job.hold, job.checked = hold, checked
+
+        def check_and_store() -> None:
+            try:
+                self._store(retune, strategy, tps, acceptance, predicted, hold)
+            finally:
+                checked.set()
+
+        self.deferred.append((check_and_store, (hold, checked)))
+
+    def _store(self, retune: Retune, strategy: Strategy, tps: float, acceptance: float | None,
+               predicted: float | None, hold: threading.Event) -> None:
+        """Check ``retune``'s result on the first requests it tuned on and hand it to the store
+        writer (``hold`` is set once stored, or at once when nothing is written). Lossless: a
+        speculative result's greedy output must equal plain decoding's. Replacing: when the route's
+        stored strategy speculates, the result must decode those requests at least as fast."""
+        prompts, eos, tokens = retune.ids, retune.eos, self.settings.check_tokens
+        stored = retune.stored
+        plain = timed(self.worker.decoder(PLAIN), prompts, eos, tokens) \
+            if strategy.speculates or stored.speculates else None
+        run = timed(self.worker.decoder(strategy), prompts, eos, tokens) if strategy.speculates else plain
+        if plain is not None and run is not None and run.outputs != plain.outputs:
+            log.warning("the re-tune of route %s picked %s, whose greedy output differed from plain decoding's "
+                        "on the requests it tuned on; it is not stored", retune.route, strategy.to_json())
+            self.events.append({"event": "retune_lossy", "route": retune.route, "task": retune.task,
+                                "strategy": strategy.to_dict()})
+            hold.set()
+            return
+        replaces = True
+        if stored.speculates and stored != strategy and run is not None:
+            before = timed(self.worker.decoder(stored), prompts, eos, tokens)
+            replaces = run.tps >= before.tps
+        if not replaces:  # the stored strategy stays, judged from now on against what it measured here
+            self.references[retune.route] = (retune.supersedes, retune.stored_acceptance)
+        self.writer.submit(self._write(retune, strategy, tps, acceptance, predicted, replaces, hold))
+
+    def _write(self, retune: Retune, strategy: Strategy, tps: float, acceptance: float | None,
+               predicted: float | None, replaces: bool, hold: threading.Event) -> Write:
         tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
-        key = strategy_key(self.target, self.draft, retune.task, self.device)
         metrics = ResultMetrics.from_throughput(tps, acceptance=acceptance, predicted_tps=predicted,
                                                 tuning_share=min(tuning, 1.0), study_name=f"serve:{retune.route}")
         prompts, supersedes, trials = list(retune.prompts), retune.supersedes, retune.tuner.state.trials
+        task = retune.task
 
         def record() -> int:  # on the writer thread, retried there
-            return self.storage.record(key, strategy, metrics, prompts=prompts, supersedes=supersedes)
+            nonlocal task
+            if retune.cluster is None:
+                key = strategy_key(self.target, self.draft, task, self.device)
+                return self.storage.record(key, strategy, metrics, prompts=prompts, supersedes=supersedes,
+                                           offer=replaces)
+            # a new route's name is claimed in the store: another replica may hold it since our last refresh
+            taken = {b.key.task for b in self.storage.list_best(**self.book.scope)}
+            while True:
+                task = unique_name(retune.task, taken)
+                try:
+                    return self.storage.record(strategy_key(self.target, self.draft, task, self.device), strategy,
+                                               metrics, prompts=prompts, new_key=True)
+                except KeyTaken:
+                    taken.add(task)
 
         def then(history_id: int) -> None:  # on the writer thread, once stored
-            self.worker.share_width([strategy])
             self.book.refresh()
-            self.events.append({"event": "stored", "route": retune.route, "task": retune.task,
+            self.events.append({"event": "stored" if replaces else "kept", "route": retune.route, "task": task,
                                 "strategy": strategy.to_dict(), "tokens_per_s": tps, "acceptance": acceptance,
                                 "history_id": history_id, "tuning_share": tuning, "trials": trials})
 
-        write = Write(f"the re-tune of route {retune.route} (task {retune.task})", record, then)
-        job.hold = write.done
-        self.writer.submit(write)
+        return Write(f"the re-tune of route {retune.route} (task {task})", record, then, done=hold)

@@ -11,6 +11,8 @@ from autotune.errors import CliError
 
 PENDING_TEXTS = 64
 """Unknown requests a pending cluster remembers (the first ones become a new route's prompts)."""
+PENDING_CLUSTERS = 8
+"""Pending clusters of unknown traffic kept at once; opening one more drops the stalest (and its re-tune)."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,18 @@ class AdaptSettings:
     retune_share: float = 0.05  # at most this share of a re-tune's decode time goes to tuning
     new_route_requests: int = 6  # unknown requests (of one pending cluster) that become a new route
     recheck_plain_requests: int = 32  # requests a route stored as plain serves before it re-checks speculation
+    max_routes: int = 32  # routes created from unknown traffic (``auto:...``) in the store, at most
+    max_clusters: int = PENDING_CLUSTERS
+    store_prompts: bool = False  # store re-tuned requests' text (else their hashed terms: ``routing.terms``)
+    # a speculative re-tune result is stored only when its greedy output equals plain decoding's on
+    # up to ``check_requests`` of the requests it tuned on, ``check_tokens`` tokens each
+    check_requests: int = 2
+    check_tokens: int = 32
     space: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("min_requests", "retune_requests", "new_route_requests", "recheck_plain_requests"):
+        for name in ("min_requests", "retune_requests", "new_route_requests", "recheck_plain_requests",
+                     "max_routes", "max_clusters", "check_requests", "check_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CliError(f"adaptive setting {name}={value!r} must be a positive integer")

@@ -91,7 +91,18 @@ class StrategyBook:
             return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance, general)
         return Choice(UNKNOWN, PLAIN, "plain", decision.distance)
 
+    def needs_lookup(self, override: str) -> bool:
+        """Whether choosing for ``override`` reads the store (an explicit id not routed to)."""
+        if override in ("auto", "plain", "default"):
+            return False
+        with self._lock:
+            return all(str(e.best_id) != override for e in self.entries)
+
     def _by_id(self, best_id: int) -> Choice:
+        with self._lock:
+            known = next((e for e in self.entries if e.best_id == best_id), None)
+        if known is not None:  # routed to: no store read
+            return Choice("id", known.strategy, str(best_id))
         row = self.storage.get(best_id)
         if row is None:
             raise ApiError(400, f"no stored strategy with id {best_id}; `autotune strategies list` shows them",

@@ -3,7 +3,8 @@
 Each stored best strategy of the served model / draft / hardware is a ``RouteEntry`` with the
 routing texts of the prompts it was tuned on (``Storage.routes``; ``studies.routing_text``). The
 router turns every prompt into a TF-IDF vector (lower-cased word and punctuation tokens, so code and
-math keep their operators; sublinear tf; fitted on all entries' prompts), averages each entry's
+math keep their operators, each hashed: ``terms``, so a route's texts may be stored as hashed terms;
+sublinear tf; fitted on all entries' prompts), averages each entry's
 L2-normalised vectors into one L2-normalised centroid, and routes a text to the entry of the nearest
 centroid by cosine distance when that distance is below the threshold; otherwise the route is
 ``"unknown"``. Word bigrams, English stop words, character n-grams and 1-/3-nearest-neighbour
@@ -30,6 +31,7 @@ import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.preprocessing import normalize
 
+from autotune.serving.routing.terms import terms
 from autotune.store.records import clip_prompt
 from search_spaces.strategy import Strategy
 
@@ -38,7 +40,6 @@ __all__ = ["DEFAULT_ROUTE_DISTANCE", "UNKNOWN", "RouteDecision", "RouteEntry", "
 
 DEFAULT_ROUTE_DISTANCE = 0.65  # measured: autotune.serving.routing.router_eval
 UNKNOWN = "unknown"
-TOKEN_PATTERN = r"(?u)\b\w+\b|[^\w\s]"  # words (any length) and single punctuation marks: code, math, prose
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class RouteDecision:
 
 
 def make_vectorizer() -> TfidfVectorizer:
-    return TfidfVectorizer(lowercase=True, token_pattern=TOKEN_PATTERN, ngram_range=(1, 1), sublinear_tf=True)
+    """TF-IDF over hashed terms (``terms.terms``: a text's words, or a stored string of its terms)."""
+    return TfidfVectorizer(analyzer=terms, sublinear_tf=True)
 
 
 @dataclass(frozen=True)
