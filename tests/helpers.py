@@ -158,3 +158,11 @@ TRANSLATE = [f"Translate this sentence into French, keeping its tone: {s}" for s
     "We watched the sunset from the top of the hill.",
     "The library is quiet except for the sound of pages turning.",
 )]
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) on a live server's /metrics."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith((name + "{", name + " ")))

@@ -175,10 +175,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         (SIGTERM), when its decode worker died, or after ``worker.FAILING_AFTER`` internal decode
         failures in a row (``failing``; a success clears it). ``launcher`` answers "loading"."""
         condition = server.worker.condition()
-        worker = server.worker
-        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": worker.depth,
-                               # what it holds: decoders (each with its caches) and packed target widths
-                               "decoders": len(worker.decoders), "verify_widths": sorted(worker.widths)}
+        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth}
         if condition == "failing":
             out["consecutive_failures"] = server.worker.failures
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
@@ -193,6 +190,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         server.metrics.queue_depth.set(server.worker.depth)
+        server.metrics.decoders.set(len(server.worker.decoders))  # what the worker holds
+        server.metrics.verify_widths.set(len(server.worker.widths))
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")

@@ -41,6 +41,9 @@ class ServingMetrics:
         self.route_distance = Histogram(f"{PREFIX}route_distance", "Cosine distance of auto-routed prompts to their "
                                         "nearest task centroid", route, buckets=DISTANCE_BUCKETS, registry=r)
         self.queue_depth = Gauge(f"{PREFIX}queue_depth", "Requests waiting or being decoded", registry=r)
+        self.decoders = Gauge(f"{PREFIX}decoders", "Decoders the worker keeps (each with its caches)", registry=r)
+        self.verify_widths = Gauge(f"{PREFIX}verify_widths", "Verify widths the target is packed for (one "
+                                   "packed copy each; bounded to 1)", registry=r)
         self.retunes = Counter(f"{PREFIX}route_retunes", "Re-tunes started on live traffic (drift, or a new route)",
                                route, registry=r)
         self.store_writes = Counter(f"{PREFIX}store_writes", "Adaptive serving's store writes, by outcome (stored; "

@@ -282,12 +282,24 @@ def _pg_database(base: str, name: str) -> str:
 
 
 @pytest.mark.slow
-def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request):
+def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request, monkeypatch):
     """Two servers on one PostgreSQL store: a route re-tuned on one is routed to by the other
     within its poll interval (no coordinator: the store is the shared state). Runs where the
-    PostgreSQL tests run (AUTOTUNE_TEST_POSTGRES=1, as CI sets when it has the server)."""
+    PostgreSQL tests run (AUTOTUNE_TEST_POSTGRES=1, as CI sets when it has the server). The
+    re-tune's result is plain decoding, timed 100x faster in its check, so it replaces the stored
+    lookup whatever this machine measures (the rule itself is tested in test_serve_bounds)."""
     import os
     import time
+
+    import autotune.serving.adaptive.adaptive as adaptive
+    from autotune.serving.adaptive.retune import Retune, Run, timed
+
+    def plain_wins(decoder, prompts, eos, tokens):
+        run = timed(decoder, prompts, eos, tokens)
+        return run if decoder.drafter is not None else Run(run.outputs, run.tokens, run.seconds / 100)
+
+    monkeypatch.setattr(adaptive, "timed", plain_wins)
+    monkeypatch.setattr(Retune, "outcome", lambda self: (PLAIN, self.plain_tps() or 1.0, None, None))
 
     url = _pg_database(request.getfixturevalue("postgres_server"), f"autotune_replicas_{os.getpid()}")
     tokens = 32

@@ -29,7 +29,7 @@ from runtime.pipeline import build_decoder, eos_ids
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt
-from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, routing_texts
+from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, metric, routing_texts
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_an_evicted_clusters_retune_is_dropped_with_it(pool, smollm, tmp_path):
         health = _health(live)
         assert health["routes"]["live_retunes"] == 0, health  # evicted, its decoder and study with it
         assert len(health["routes"]["pending_clusters"]) <= 2
-        assert health["decoders"] <= 8 and len(health["verify_widths"]) <= 1
+        assert metric(live.url, "autotune:decoders") <= 8 and metric(live.url, "autotune:verify_widths") <= 1
         assert chat(client, TRANSLATE[3], max_tokens=4)[2]["state"] == "stored"  # a fresh cluster, not tuning
     storage.close()
 
@@ -100,14 +100,14 @@ def test_bursts_of_distinct_topics_stay_under_the_route_cap(pool, smollm, tmp_pa
 
 def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, tmp_path):
     """Three wider strategies stored while the server runs: the first speculative one fixes the
-    verify width, the wider ones decode plainly (logged), and one layer plan that cannot fit this
-    model decodes plainly too, instead of failing its requests."""
+    verify width (5), the wider ones decode plainly (logged), and one layer plan that cannot fit
+    this model decodes plainly too, instead of failing its requests."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     storage, live = _serve(pool, url)
     text = routing_texts("humaneval", 1, 0)[0]
     with live:
         client = live.client()
-        assert _health(live)["verify_widths"] == []
+        assert metric(live.url, "autotune:verify_widths") == 0
         n = smollm.hf_model.config.num_hidden_layers
         stored = [Strategy(drafter="prompt-lookup", draft_length=k) for k in (4, 8, 12)] + [
             Strategy(drafter="layer-skip", draft_length=3, layer_plan=uniform_skip_plan(n + 10, 0.3))]
@@ -122,7 +122,7 @@ def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, 
             infos.append(info)
         assert [i["state"] for i in infos] == ["stored", "unservable", "unservable", "unservable"], infos
         assert infos[0]["drafted"] > 0 and all(i["drafted"] == 0 for i in infos[1:])
-        assert _health(live)["verify_widths"] == [5]  # one packed copy of the target
+        assert metric(live.url, "autotune:verify_widths") == 1  # one packed copy of the target
     storage.close()
 
 
