@@ -24,7 +24,7 @@ from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.server import ServeConfig, build_server
 from autotune.store.storage import open_storage
 from autotune.tuning.tuner import OnlineTuner
-from tests.helpers import MODEL, LiveServer, chat
+from tests.helpers import MODEL, LiveServer, chat, metric
 from tests.helpers import TRANSLATE as ALL_TRANSLATE  # the first 6 are enough here
 
 pytestmark = pytest.mark.slow
@@ -52,10 +52,6 @@ def _live(pool, url: str, **cfg):
 def _health(live: LiveServer) -> httpx.Response:
     return httpx.get(f"{live.url}/health", timeout=30)
 
-
-def _metric(url: str, name: str) -> float:
-    lines = httpx.get(f"{url}/metrics").text.splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith((name + "{", name + " ")))
 
 
 # ---------------------------------------------------------------------- /health
@@ -230,9 +226,9 @@ def test_a_locked_or_hung_store_never_stalls_or_fails_requests(pool, smollm, tmp
             new = _wait_for_row(storage, before, within=20)
             assert len(new) == 1 and next(iter(new)).startswith("auto:"), new
             faulty.back.clear()
-        assert _metric(live.url, 'autotune:store_writes_total{outcome="failed"}') >= 1
-        assert _metric(live.url, 'autotune:store_writes_total{outcome="stored"}') == 2
-        assert _metric(live.url, "autotune:request_errors_total") == 0
+        assert metric(live.url, 'autotune:store_writes_total{outcome="failed"}') >= 1
+        assert metric(live.url, 'autotune:store_writes_total{outcome="stored"}') == 2
+        assert metric(live.url, "autotune:request_errors_total") == 0
     storage.close()
 
 

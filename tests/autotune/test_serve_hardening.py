@@ -24,7 +24,7 @@ from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
 from autotune.store.storage import open_storage
 from search_spaces.strategy import Strategy
-from tests.helpers import HW, MODEL, LiveServer, chat
+from tests.helpers import HW, MODEL, LiveServer, chat, metric
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,6 @@ def _assert_error_body(r: httpx.Response, status: int, param: str | None = None,
         assert err["code"] == code, err
     return err
 
-
-def _metric(url: str, name: str) -> float:
-    lines = httpx.get(f"{url}/metrics").text.splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith((name + "{", name + " ")))
 
 
 # ---------------------------------------------------------------------- the API key
@@ -237,7 +233,7 @@ def test_full_queue_answers_503_before_tokenising_or_a_store_lookup(hurried):
 
 def test_request_timeout_gives_504_and_frees_its_place(hurried):
     url = f"{hurried.url}/v1/completions"
-    tokens = _metric(hurried.url, "autotune:generation_tokens_total")
+    tokens = metric(hurried.url, "autotune:generation_tokens_total")
     with cf.ThreadPoolExecutor(2) as ex:  # one decoding, one waiting behind it: both past the deadline
         running = ex.submit(httpx.post, url, json=LONG, timeout=120)
         time.sleep(0.5)
@@ -253,7 +249,7 @@ def test_request_timeout_gives_504_and_frees_its_place(hurried):
     _wait_idle(hurried)
     _, ids, _ = chat(hurried.client(), "Say hi.", max_tokens=3)  # the place is free again
     # none of the stopped requests ran to its end: only "Say hi." counts its tokens
-    assert _metric(hurried.url, "autotune:generation_tokens_total") == tokens + len(ids)
+    assert metric(hurried.url, "autotune:generation_tokens_total") == tokens + len(ids)
 
 
 # ---------------------------------------------------------------------- departed clients
@@ -284,24 +280,24 @@ def _depth(live: LiveServer) -> int:
 
 
 def _cancelled(live: LiveServer) -> float:
-    return _metric(live.url, 'autotune:requests_cancelled_total{reason="client_disconnected"}')
+    return metric(live.url, 'autotune:requests_cancelled_total{reason="client_disconnected"}')
 
 
 def test_a_departed_client_stops_its_running_request(patient):
-    tokens, cancelled = _metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
+    tokens, cancelled = metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
     sock = _send_raw(patient, COUNT)
     time.sleep(1.0)  # past its first rounds
     assert _depth(patient) == 1
     sock.close()
     _wait_idle(patient)
-    assert _metric(patient.url, "autotune:generation_tokens_total") - tokens < 100  # it never ran to its end
+    assert metric(patient.url, "autotune:generation_tokens_total") - tokens < 100  # it never ran to its end
     assert _cancelled(patient) == cancelled + 1
     _, ids, _ = chat(patient.client(), "Say hi.", max_tokens=3)  # the worker serves the next one
-    assert _metric(patient.url, "autotune:generation_tokens_total") == tokens + len(ids)
+    assert metric(patient.url, "autotune:generation_tokens_total") == tokens + len(ids)
 
 
 def test_a_departed_client_leaves_the_queue_undecoded(patient):
-    tokens, cancelled = _metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
+    tokens, cancelled = metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
     with cf.ThreadPoolExecutor(1) as ex:
         running = ex.submit(httpx.post, f"{patient.url}/v1/completions", json={**COUNT, "max_tokens": 150},
                             timeout=120)
@@ -321,7 +317,7 @@ def test_a_departed_client_leaves_the_queue_undecoded(patient):
     assert _cancelled(patient) == cancelled + 1
     # only the request that stayed counts its tokens: the departed one never decoded
     stayed = done.json()["usage"]["completion_tokens"]
-    assert _metric(patient.url, "autotune:generation_tokens_total") == tokens + stayed
+    assert metric(patient.url, "autotune:generation_tokens_total") == tokens + stayed
 
 
 def test_usage_and_token_ids_end_at_the_stop_string(pool, smollm, tmp_path):

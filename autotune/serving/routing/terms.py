@@ -55,7 +55,3 @@ def as_terms(text: str) -> str:
     counts = Counter(terms(clip_prompt(text)))
     body = " ".join(t if n == 1 else f"{t}*{n}" for t, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
     return clip_prompt(f"{TERMS_PREFIX} {body}")
-
-
-def is_terms(text: str) -> bool:
-    return text.startswith(TERMS_PREFIX)
