@@ -60,6 +60,48 @@ class GenerationResult:
     stats: DecodeStats
 
 
+@dataclass
+class Sequence:
+    """One prompt's decoding state (``Decoder.start``): its tokens so far, KV cache, random
+    source and stats. Its decoder's drafters follow it: a decoder serves one sequence at a time."""
+
+    prompt: list[int]
+    config: GenerationConfig
+    capacity: int
+    out: list[int] = field(default_factory=list)  # new tokens so far
+    cache: KVCache = None  # type: ignore[assignment]  # set by Decoder.start
+    gen: torch.Generator = None  # type: ignore[assignment]
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return frozenset(self.config.eos_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """The token budget is spent or the last token is an EOS."""
+        return len(self.out) >= self.config.max_new_tokens or self.out[-1] in self.config.eos_token_ids
+
+    def result(self) -> GenerationResult:
+        assert len(self.out) <= self.config.max_new_tokens  # a round's draft length is capped by the budget
+        self.stats.wall_s = time.perf_counter() - self.started
+        self.stats.new_tokens = len(self.out)
+        return GenerationResult(self.out, self.stats)
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """The target rows of one verify pass (``Decoder.rows``)."""
+
+    ids: torch.Tensor  # [T] cur + draft tokens (+ padding)
+    n: int  # rows that count: 1 + draft tokens
+    base: int  # cache length before the pass
+    tree: CompiledTree | None = None  # a branched draft (None: a chain, causal rows)
+    positions: torch.Tensor | None = None  # a tree's depth positions
+    rel_mask: torch.Tensor | None = None  # a tree's mask block
+
+
 class Decoder:
     """Greedy or sampled decoding of one target, optionally speculating with ``drafter``.
 
@@ -118,6 +160,21 @@ class Decoder:
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
         check_fits(prompt_len, config.max_new_tokens, self.target.dims.max_positions)
 
+    def start(self, prompt: list[int], config: GenerationConfig) -> "Sequence":
+        """Prefill ``prompt`` (its first new token) and start every drafter on it: the state
+        :meth:`generate` then advances round by round (or a batch, ``runtime.batching``)."""
+        self.check_fits(len(prompt), config)
+        seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
+        seq.gen = decode_generator(self.target.device, config.seed)
+        seq.cache = self.target.new_cache(seq.capacity)
+        with torch.inference_mode():
+            seq.out.append(self.prefill(prompt, seq.cache, config.sampling, seq.gen))
+            seq.stats.prefill_s = time.perf_counter() - seq.started
+            seq.stats.target_forwards = 1
+            for drafter in self._following():
+                drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
+        return seq
+
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,
         after_round: TokensHook | None = None,
@@ -126,34 +183,20 @@ class Decoder:
         draft/verify round (the online tuner: it may score candidates and reconfigure the drafter);
         ``after_round(new_tokens)`` after the prefill and every round (streaming; returning True
         stops). Decoding stops at the first EOS, even one accepted inside a round."""
-        self.check_fits(len(prompt), config)
-        stats = DecodeStats()
-        gen = decode_generator(self.target.device, config.seed)
-        capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
-        cache = self.target.new_cache(capacity)
-        eos = set(config.eos_token_ids)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = [self.prefill(prompt, cache, config.sampling, gen)]
-            stats.prefill_s = time.perf_counter() - start
-            stats.target_forwards = 1
-            for drafter in self._following():
-                drafter.begin(prompt + out, capacity, cache)
+        seq = self.start(prompt, config)
+        out, cache, stats = seq.out, seq.cache, seq.stats
         stop = after_round is not None and after_round(out)
-        while not stop and len(out) < config.max_new_tokens and out[-1] not in eos:
+        while not stop and not seq.finished:
             if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
                 before_round(self, prompt + out, cache, stats)
             with torch.inference_mode():
-                out.extend(self._round(out, cache, config, gen, stats, eos))
+                out.extend(self._round(out, cache, config, seq.gen, stats, seq.eos))
             stop = after_round is not None and after_round(out)
-        assert len(out) <= config.max_new_tokens  # a round's draft length is capped by the budget
-        stats.wall_s = time.perf_counter() - start
-        stats.new_tokens = len(out)
-        return GenerationResult(out, stats)
+        return seq.result()
 
     def _round(
         self, out: list[int], cache: KVCache, config: GenerationConfig, gen: torch.Generator, stats: DecodeStats,
-        eos: set[int] = frozenset(),
+        eos: frozenset[int] = frozenset(),
     ) -> list[int]:
         """One draft -> verify -> commit round; returns the tokens it appends (>= 1), ending at
         the first EOS among them: tokens after an EOS inside an accepted run are dropped, and the
@@ -161,14 +204,26 @@ class Decoder:
 
         Drafting, verification and acceptance stay on the device; the round reads back once (the
         accepted count, path and tokens, in one ``tolist``)."""
-        k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
         t0 = time.perf_counter()
-        draft = self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
+        draft = self.propose(out, config, gen)
         t1 = time.perf_counter()
         if draft.is_chain:
             path, new_tokens = self._verify_chain(out[-1], draft, cache, config.sampling, gen)
         else:
             path, new_tokens = self._verify_tree(out[-1], draft, cache, config.sampling, gen)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        return self.conclude(draft, path, new_tokens, stats, eos)
+
+    def propose(self, out: list[int], config: GenerationConfig, gen: torch.Generator) -> Draft:
+        """This round's draft (empty for plain decoding), at most what the token budget leaves."""
+        k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
+        return self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
+
+    def conclude(
+        self, draft: Draft, path: list[int], new_tokens: list[int], stats: DecodeStats, eos: frozenset[int]
+    ) -> list[int]:
+        """After verification: cut at the first EOS, tell the drafters, count the round."""
         end = _first_eos(new_tokens, eos)
         cut = end <= len(path)  # an accepted draft is an EOS: the sequence ends inside this round
         new_tokens, path = new_tokens[:end], path[:end]
@@ -176,9 +231,6 @@ class Decoder:
             self.drafter.observe(len(path), new_tokens, path)
         for waiting in self.standby.values():  # drafters on standby follow the sequence
             waiting.observe(0, new_tokens, [])
-        t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
         stats.target_forwards += 1
         if draft.tokens.numel():
             _record_round(stats, draft, len(path), cut)
@@ -189,55 +241,81 @@ class Decoder:
         logits = self.target(torch.tensor(prompt, device=self.target.device), cache, logits_for=slice(-1, None))
         return self._pick(logits[0], params, gen)
 
-    def verify(
-        self, cur: int, draft: Draft, cache: KVCache, tree: CompiledTree | None = None
-    ) -> torch.Tensor:
-        """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32).
-
-        Rows are padded to the fixed verify width (static shapes; cheap packed GEMMs on CPU);
-        padding rows see only the prefix and themselves and are dropped. A tree gets its depths
-        and its mask block (device tables built once per shape); a chain the causal default."""
+    def rows(
+        self, cur: int, draft: Draft, cache: KVCache, pad: bool = True, as_tree: bool | None = None
+    ) -> VerifyRows:
+        """The target rows verifying ``draft``: ``cur`` + the draft tokens, with a tree's depth
+        positions and mask block (``as_tree``: default, unless the draft is a chain). ``pad``:
+        padded to the fixed verify width (static shapes; cheap packed GEMMs on CPU); padding rows
+        see only the prefix and themselves and are dropped."""
         dev = self.target.device
         n = 1 + int(draft.tokens.numel())
         ids = torch.cat([torch.tensor([cur], device=dev), draft.tokens.to(dev)])
-        pad = max(0, self.verify_width - n) if n > 1 else 0  # nothing drafted: a plain single-row step
-        ids = torch.cat([ids, ids[-1:].expand(pad)])
-        if tree is None:
-            return self.target(ids, cache)[:n].float()
-        tables = tree_tables(tree, dev, pad)
-        positions = tables.offsets + cache.length
-        return self.target(ids, cache, positions=positions, rel_mask=tables.block)[:n].float()
+        extra = max(0, self.verify_width - n) if n > 1 and pad else 0  # nothing drafted: a single-row step
+        ids = torch.cat([ids, ids[-1:].expand(extra)])
+        if not (as_tree if as_tree is not None else not draft.is_chain):
+            return VerifyRows(ids, n, cache.length)
+        assert draft.parents is not None
+        tree = compile_tree(tuple(draft.parents))
+        tables = tree_tables(tree, dev, extra)
+        return VerifyRows(ids, n, cache.length, tree, tables.offsets + cache.length, tables.block)
+
+    def verify(
+        self, cur: int, draft: Draft, cache: KVCache, tree: CompiledTree | None = None
+    ) -> torch.Tensor:
+        """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32)."""
+        rows = self.rows(cur, draft, cache)
+        return self.target(rows.ids, cache, positions=rows.positions, rel_mask=rows.rel_mask)[: rows.n].float()
+
+    def accept(
+        self, rows: VerifyRows, logits: torch.Tensor, draft: Draft, cache: KVCache, params: SamplingParams,
+        gen: torch.Generator,
+    ) -> tuple[list[int], list[int]]:
+        """Accept from the verify logits ``[1 + N, V]`` (float32) and roll the cache back to the
+        accepted rows -> (accepted draft / node indices, appended tokens). Reads back once."""
+        return self.settle(rows, self.judge(rows, logits, draft, params, gen).tolist(), cache)
+
+    @staticmethod
+    def judge(
+        rows: VerifyRows, logits: torch.Tensor, draft: Draft, params: SamplingParams, gen: torch.Generator
+    ) -> torch.Tensor:
+        """The acceptance rule on the device -> its packed result (a 1-d long tensor whose length
+        the shapes fix: a batch reads every member's in one ``tolist``)."""
+        if rows.tree is None:
+            if params.greedy:
+                return accept_chain_greedy(logits.argmax(dim=-1), draft.tokens)
+            return accept_chain(logits_to_probs(logits, params), draft.q, draft.tokens, gen)
+        if params.greedy:
+            return accept_tree_greedy(logits.argmax(dim=-1), rows.tree, draft.tokens)
+        return accept_tree(logits_to_probs(logits, params), rows.tree, draft.tokens, draft.q, gen)
+
+    @staticmethod
+    def settle(rows: VerifyRows, got: list[int], cache: KVCache) -> tuple[list[int], list[int]]:
+        """The read-back result of :meth:`judge` -> (accepted indices, appended tokens); keeps the
+        accepted rows in the cache."""
+        if rows.tree is None:
+            n_acc = got[0]
+            cache.rollback(rows.base + 1 + n_acc)  # keep cur + accepted drafts; the last token is next round's input
+            return list(range(n_acc)), got[1 : n_acc + 2]
+        path, new_tokens = read_tree_result(got, rows.tree.max_depth)
+        cache.commit(rows.base + 1, path)  # cur stays at `base`; the accepted path follows contiguously
+        return path, new_tokens
 
     def _verify_chain(
         self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
     ) -> tuple[list[int], list[int]]:
         """-> (accepted draft indices, appended tokens)."""
-        base = cache.length
-        logits = self.verify(cur, draft, cache)  # [k+1, V]
-        if params.greedy:
-            result = accept_chain_greedy(logits.argmax(dim=-1), draft.tokens)
-        else:
-            result = accept_chain(logits_to_probs(logits, params), draft.q, draft.tokens, gen)
-        got = result.tolist()  # the round's one host read
-        n_acc = got[0]
-        cache.rollback(base + 1 + n_acc)  # keep cur + accepted drafts; the last token is next round's input
-        return list(range(n_acc)), got[1 : n_acc + 2]
+        rows = self.rows(cur, draft, cache, as_tree=False)
+        logits = self.target(rows.ids, cache)[: rows.n].float()  # [k+1, V]
+        return self.accept(rows, logits, draft, cache, params, gen)
 
     def _verify_tree(
         self, cur: int, draft: Draft, cache: KVCache, params: SamplingParams, gen: torch.Generator
     ) -> tuple[list[int], list[int]]:
         """-> (accepted node indices, appended tokens)."""
-        assert draft.parents is not None
-        tree = compile_tree(tuple(draft.parents))
-        base = cache.length
-        logits = self.verify(cur, draft, cache, tree)  # [N+1, V]
-        if params.greedy:
-            result = accept_tree_greedy(logits.argmax(dim=-1), tree, draft.tokens)
-        else:
-            result = accept_tree(logits_to_probs(logits, params), tree, draft.tokens, draft.q, gen)
-        path, new_tokens = read_tree_result(result.tolist(), tree.max_depth)  # the round's one host read
-        cache.commit(base + 1, path)  # cur stays at `base`; the accepted path follows contiguously
-        return path, new_tokens
+        rows = self.rows(cur, draft, cache, as_tree=True)
+        logits = self.target(rows.ids, cache, positions=rows.positions, rel_mask=rows.rel_mask)[: rows.n].float()
+        return self.accept(rows, logits, draft, cache, params, gen)
 
     @staticmethod
     def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -260,7 +338,7 @@ def _record_round(stats: DecodeStats, draft: Draft, n_accepted: int, cut: bool) 
     stats.record_round(len(depths), n_accepted, max(depths))
 
 
-def _first_eos(tokens: list[int], eos: set[int]) -> int:
+def _first_eos(tokens: list[int], eos: frozenset[int]) -> int:
     """Length of ``tokens`` up to and including its first EOS (all of it when there is none)."""
     for i, t in enumerate(tokens):
         if t in eos:

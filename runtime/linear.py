@@ -47,6 +47,20 @@ class MklPackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.width)
 
 
+def run_rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin`` over ``x`` ``[R, in]``, the rows of several sequences (a batched step). A packed
+    fp32 GEMM runs them in calls of exactly its width (the last one padded): its rows are then
+    computed as a verify pass computes them, whoever shares the call (a call's row count changes
+    MKL's kernel, and with it a row's last ulp; inside a call of fixed width a row's result does
+    not depend on the other rows). Single rows and the other backends run as they are."""
+    if not isinstance(lin, MklPackedLinear) or x.shape[0] in (1, lin.width):
+        return lin(x)
+    w = lin.width
+    pad = -x.shape[0] % w
+    xs = torch.cat([x, x[-1:].expand(pad, -1)]) if pad else x
+    return torch.cat([lin(chunk) for chunk in xs.split(w)])[: x.shape[0]]
+
+
 def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 

@@ -2,12 +2,13 @@
 
 We own the layer loop, RoPE, attention (SDPA with an explicit mask) and the KV cache; the HF
 modules only provide weights (embeddings, norms, q/k/v/o projections, MLP, final norm, lm_head).
-Batch size is 1 throughout: hidden states are ``[T, H]``.
+Hidden states are ``[T, H]``: one sequence's rows, or several sequences' rows side by side
+(``forward_batch``), each attending to its own cache.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from runtime.compiled import bucketed, compile_step, note_step, run_step, step_k
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear
+from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear, run_rows
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -183,20 +184,28 @@ class CausalLM:
     def attention(self, lin: dict[str, Linear], x: torch.Tensor, li: int, a: AttnInputs) -> torch.Tensor:
         """Attention sub-layer ``li`` on ``x`` ``[T, H]`` (already normed): writes its K/V to the
         cache at ``a.slots`` and attends under ``a``'s mask for this layer."""
+        out, q, k, v = self._attend(lin["q"](x), lin["k"](x), lin["v"](x), li, a)
+        o = lin["o"](out)
+        if self.recorder is not None:
+            self.recorder.attn(li, q, k, v, o)
+        return o
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int, a: AttnInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected rows ``[T, *]`` -> RoPE, K/V written to ``a.cache``, attention under ``a``'s
+        mask for layer ``li`` -> (output ``[T, H*D]`` before the o-projection, q, k, v)."""
         d = self.dims
-        t = x.shape[0]
-        q = lin["q"](x).view(t, d.n_heads, d.head_dim).transpose(0, 1)  # [H, T, D]
-        k = lin["k"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, T, D]
-        v = lin["v"](x).view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
+        t = q.shape[0]
+        q = q.view(t, d.n_heads, d.head_dim).transpose(0, 1)  # [H, T, D]
+        k = k.view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, T, D]
+        v = v.view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
         q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
         keys, values = a.cache.write(li, k, v, a.slots, a.key_len)  # [Hkv, S, D]
         # quantised activations round ulps into tokens: attention rows computed the same at every width
         invariant = self.backend in ROW_INVARIANT_BACKENDS
         out = sdpa(q, keys, values, *a.mask_for(li), self.scale, invariant=invariant)  # [H, T, D]
-        o = lin["o"](out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim))
-        if self.recorder is not None:
-            self.recorder.attn(li, q, k, v, o)
-        return o
+        return out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim), q, k, v
 
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
         return lin["down"](layer.mlp.act_fn(lin["gate"](x)) * lin["up"](x))
@@ -278,6 +287,48 @@ class CausalLM:
         return self.head(self.norm(h))
 
     __call__ = forward
+
+    def forward_batch(self, parts: Sequence[BatchPart]) -> list[torch.Tensor]:
+        """One forward over several sequences' new rows (continuous batching) -> logits
+        ``[T_i, V]`` per part. Each part appends to its own cache and attends only to it, under its
+        own mask (causal, or its tree's ``rel_mask`` with its ``positions``), exactly as
+        :meth:`forward` would run it alone; the projections, the MLPs and the head run over all
+        parts' rows at once (``runtime.linear.run_rows``: a packed fp32 GEMM in calls of its
+        packed width). Eager, with every cache's whole capacity as keys (no plans, no recorder)."""
+        sizes = [int(p.tokens.shape[0]) for p in parts]
+        inputs = []
+        for p, t in zip(parts, sizes):
+            p.cache.check_room(t)
+            self.rope.ensure(p.cache.capacity + 1, self.device)
+            slots = p.cache.slots(t)
+            positions = slots if p.positions is None else p.positions
+            cos, sin = self.rope.lookup(positions)
+            mask = attend_mask(slots, p.cache.capacity, p.rel_mask)
+            windowed = window_masks(self.windows, slots, positions, mask)
+            inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None))
+        h = self.embed(torch.cat([p.tokens for p in parts]))  # [R, H]
+        for li, layer in enumerate(self.layers):
+            lin = self.linears[li]
+            x = layer.input_layernorm(h)
+            q, k, v = (run_rows(lin[name], x).split(sizes) for name in ("q", "k", "v"))
+            outs = [self._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
+            h = h + run_rows(lin["o"], torch.cat(outs))
+            x = layer.post_attention_layernorm(h)
+            h = h + run_rows(lin["down"], layer.mlp.act_fn(run_rows(lin["gate"], x)) * run_rows(lin["up"], x))
+        logits = run_rows(self.head, self.norm(h))
+        for p, t in zip(parts, sizes):
+            p.cache.advance(t)
+        return list(logits.split(sizes))
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One sequence's rows in a batched forward (``CausalLM.forward_batch``)."""
+
+    tokens: torch.Tensor  # [T] long
+    cache: KVCache
+    positions: torch.Tensor | None = None  # [T] rope positions; default cache.length + arange
+    rel_mask: torch.Tensor | None = None  # [T, T] bool over this part's rows (a tree), else causal
 
 
 def _rows_key(rows: slice | torch.Tensor | None) -> Any:

@@ -1,0 +1,104 @@
+"""Continuous batching: several sequences, each with its own decoder (strategy, drafter state), KV
+cache and random source, advance together by one round per step.
+
+A step drafts for every sequence with its own drafter, then verifies every sequence's rows (1 for
+plain decoding, ``1 + N`` for a chain, a tree or a lookup copy) in **one** target forward
+(``CausalLM.forward_batch``: ragged rows, a mask per sequence), then accepts per sequence with the
+single-sequence rules and that sequence's generator, reading every result back in one ``tolist``.
+Sequences join (``Decoder.start``: a prefill) and leave between steps.
+
+A sequence alone runs its decoder's own round, exactly what ``Decoder.generate`` runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
+from runtime.draft import Draft
+from runtime.transformer import BatchPart, CausalLM
+
+
+@dataclass
+class Member:
+    """A sequence in the batch and the decoder whose drafters follow it."""
+
+    decoder: Decoder
+    seq: Sequence
+
+
+def batch_round(target: CausalLM, members: list[Member]) -> list[list[int]]:
+    """One round for every member -> the tokens each one appended (>= 1 each; ``seq.out`` grows).
+
+    ``target`` runs the batched forward: a wrapper of the members' target model (its linear backend
+    decides how the rows are computed; ``runtime.linear.run_rows``). Each member's stats get its own
+    drafting time and the shared verify time."""
+    if len(members) == 1:
+        m = members[0]
+        seq = m.seq
+        with torch.inference_mode():
+            new = m.decoder._round(seq.out, seq.cache, seq.config, seq.gen, seq.stats, seq.eos)
+        seq.out.extend(new)
+        return [new]
+    with torch.inference_mode():
+        drafts: list[Draft] = []
+        for m in members:
+            t0 = time.perf_counter()
+            drafts.append(m.decoder.propose(m.seq.out, m.seq.config, m.seq.gen))
+            m.seq.stats.draft_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rows = [m.decoder.rows(m.seq.out[-1], d, m.seq.cache, pad=False) for m, d in zip(members, drafts)]
+        logits = target.forward_batch([BatchPart(r.ids, m.seq.cache, r.positions, r.rel_mask)
+                                       for m, r in zip(members, rows)])
+        results = [Decoder.judge(r, lg[: r.n].float(), d, m.seq.config.sampling, m.seq.gen)
+                   for m, r, lg, d in zip(members, rows, logits, drafts)]
+        got = torch.cat(results).tolist()  # the step's one host read
+        verify_s = time.perf_counter() - t1
+        appended = []
+        at = 0
+        for m, r, d, res in zip(members, rows, drafts, results):
+            mine, at = got[at : at + res.numel()], at + res.numel()
+            path, new = Decoder.settle(r, mine, m.seq.cache)
+            new = m.decoder.conclude(d, path, new, m.seq.stats, m.seq.eos)
+            m.seq.stats.verify_s += verify_s
+            m.seq.out.extend(new)
+            appended.append(new)
+    return appended
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One prompt of ``generate_batch``: its decoder (not shared with another request), prompt,
+    config, and the step at which it joins the running batch (0: from the start)."""
+
+    decoder: Decoder
+    prompt: list[int]
+    config: GenerationConfig
+    joins_at: int = 0
+
+
+def generate_batch(target: CausalLM, requests: list[BatchRequest]) -> list[GenerationResult]:
+    """Decode every request, continuously batched: a request joins at its step (its prefill runs
+    between steps), leaves when it is finished, and the others go on -> results in request order."""
+    if len({id(r.decoder) for r in requests}) != len(requests):
+        raise ValueError("each request of a batch needs its own decoder (its drafters follow one sequence)")
+    results: list[GenerationResult | None] = [None] * len(requests)
+    waiting = sorted(range(len(requests)), key=lambda i: requests[i].joins_at)
+    running: list[tuple[int, Member]] = []
+    step = 0
+    while waiting or running:
+        while waiting and requests[waiting[0]].joins_at <= step:
+            i = waiting.pop(0)
+            r = requests[i]
+            running.append((i, Member(r.decoder, r.decoder.start(r.prompt, r.config))))
+        live = [(i, m) for i, m in running if not m.seq.finished]
+        for i, m in running:
+            if m.seq.finished:
+                results[i] = m.seq.result()
+        running = live
+        if running:
+            batch_round(target, [m for _, m in running])
+        step += 1
+    return [r for r in results if r is not None]

@@ -1,0 +1,124 @@
+"""Continuous batching is lossless: a sequence decoded in a batch, beside sequences of other
+strategies that join and leave, returns exactly what it returns decoded alone (greedy), and the
+batched step reads the device once for the whole batch."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from runtime.batching import BatchRequest, Member, batch_round, generate_batch
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
+from runtime.lookup import PromptLookupDrafter
+from runtime.sampling import SamplingParams
+from runtime.testing import noisy_copy, tiny_model
+from runtime.transformer import CausalLM
+from search_spaces.layer_plan import LayerPlan
+
+from tests.runtime.test_host_reads import Counter, counting
+
+PROMPTS = [
+    [5, 17, 3, 88, 42, 7, 9, 61, 5, 17, 3],
+    [12, 9, 40, 40, 2],
+    [7, 7, 30, 1, 2, 3, 7, 7, 30, 1, 2, 3, 7],
+    [90, 4, 18],
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5],
+]
+
+
+def _decoders(backend: str = "dense") -> dict[str, Callable[[], Decoder]]:
+    """One builder per strategy kind, all over the same target weights (a seeded tiny qwen2)."""
+    model = tiny_model("qwen2", 21, layers=4)
+    draft = noisy_copy(model, 0.3, seed=2)
+
+    def target() -> CausalLM:
+        lm = CausalLM(model)
+        lm.use_linear_backend(backend)
+        return lm
+
+    def with_draft(shape: TreeShape) -> Callable[[], Decoder]:
+        def build() -> Decoder:
+            t = target()
+            return Decoder(t, ModelDrafter(CausalLM(draft), t.dims.vocab, shape), len(shape.widths),
+                           verify_width=shape.max_nodes() + 1)
+        return build
+
+    def self_draft() -> Decoder:
+        t = target()
+        return Decoder(t, SelfDrafter(t, LayerPlan(n_layers=4, skip_mlp=(2,)), TreeShape((1, 1, 1))), 3, verify_width=4)
+
+    return {
+        "plain": lambda: Decoder(target()),
+        "chain": with_draft(TreeShape((1, 1, 1, 1))),
+        "tree-3-2-1": with_draft(TreeShape((3, 2, 1))),
+        "lookup": lambda: Decoder(target(), PromptLookupDrafter(max_ngram=3), 4, verify_width=5),
+        "self-draft": self_draft,
+    }
+
+
+@pytest.mark.parametrize("backend", ["dense", "int4"])
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_batch_decodes_each_sequence_as_it_decodes_alone(backend, sampling):
+    """Five strategies, five prompts of different lengths, joining at steps 0-4: every sequence's
+    tokens (sampled ones too: each keeps its own generator) equal its solo decode."""
+    if backend == "int4" and not torch.backends.mkldnn.is_available():
+        pytest.skip("no int4 CPU kernel in this torch build")
+    params = SamplingParams() if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=40)
+    builders = _decoders(backend)
+    configs = [GenerationConfig(max_new_tokens=24 + 4 * i, sampling=params, seed=i) for i in range(len(builders))]
+    alone = [build().generate(p, c) for build, p, c in zip(builders.values(), PROMPTS, configs)]
+    requests = [BatchRequest(build(), p, c, joins_at=i)
+                for i, (build, p, c) in enumerate(zip(builders.values(), PROMPTS, configs))]
+    together = generate_batch(requests[0].decoder.target, requests)
+    for name, a, b in zip(builders, alone, together):
+        assert b.tokens == a.tokens, name
+        assert b.stats.drafted == a.stats.drafted, name
+    assert sum(r.stats.drafted for r in together) > 0
+    assert max(max(r.stats.accept_hist[2:] or [0]) for r in together) > 0  # depth >= 2 accepted in the batch
+
+
+def test_a_batch_that_mixes_up_its_rows_is_caught(monkeypatch):
+    """Power check: logits handed to the wrong sequence change its output."""
+    builders = _decoders()
+    configs = [GenerationConfig(max_new_tokens=24) for _ in builders]
+    alone = [build().generate(p, c) for build, p, c in zip(builders.values(), PROMPTS, configs)]
+    real = CausalLM.forward_batch
+
+    def first_row_of_the_next(self, parts):  # each sequence's first row comes from its batch-mate
+        out = real(self, parts)
+        return [torch.cat([out[(i + 1) % len(out)][:1], o[1:]]) for i, o in enumerate(out)]
+
+    monkeypatch.setattr(CausalLM, "forward_batch", first_row_of_the_next)
+    requests = [BatchRequest(build(), p, c) for build, p, c in zip(builders.values(), PROMPTS, configs)]
+    together = generate_batch(requests[0].decoder.target, requests)
+    assert any(b.tokens != a.tokens for a, b in zip(alone, together))
+
+
+def test_each_request_needs_its_own_decoder():
+    dec = Decoder(CausalLM(tiny_model("llama", 0)))
+    with pytest.raises(ValueError, match="its own decoder"):
+        generate_batch(dec.target, [BatchRequest(dec, [1, 2], GenerationConfig(8))] * 2)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_batched_step_reads_the_device_at_most_twice(sampling):
+    """Every strategy kind in one batch: at most 2 host reads per step, whatever the batch size."""
+    params = SamplingParams() if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=40)
+    members, everyone = [], []
+    for i, build in enumerate(_decoders().values()):
+        dec = build()
+        with torch.inference_mode():
+            members.append(Member(dec, dec.start(PROMPTS[i], GenerationConfig(max_new_tokens=30, sampling=params, seed=i))))
+    everyone = list(members)
+    counter, steps = Counter(), 0
+    with counting(counter):
+        while len(members) > 1:
+            counter.on = True
+            batch_round(members[0].decoder.target, members)
+            counter.on = False
+            steps += 1
+            members = [m for m in members if not m.seq.finished]
+    assert steps > 0 and sum(m.seq.stats.drafted for m in everyone) > 0
+    assert counter.reads <= 2 * steps, f"{counter.reads} host reads in {steps} batched steps"
