@@ -121,6 +121,8 @@ class Decoder:
         self.draft_length = draft_length if drafter is not None else 0
         # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
         self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
+        self.last_rows = 0  # target rows of the last round's verify pass (1 + drafted; padding not counted)
+        self.step_cap: int | None = None  # drafts at most this many tokens next round (None: its strategy's length)
 
     def drafter_of(self, kind: str) -> Drafter | None:
         """The drafter of this kind, drafting or on standby (None when the decoder has none)."""
@@ -218,6 +220,8 @@ class Decoder:
     def propose(self, out: list[int], config: GenerationConfig, gen: torch.Generator) -> Draft:
         """This round's draft (empty for plain decoding), at most what the token budget leaves."""
         k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
+        if self.step_cap is not None:  # a batch under load drafts less (autotune.tuning.load)
+            k = min(k, self.step_cap)
         return self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
 
     def conclude(
@@ -232,6 +236,7 @@ class Decoder:
         for waiting in self.standby.values():  # drafters on standby follow the sequence
             waiting.observe(0, new_tokens, [])
         stats.target_forwards += 1
+        self.last_rows = 1 + int(draft.tokens.numel())
         if draft.tokens.numel():
             _record_round(stats, draft, len(path), cut)
         return new_tokens

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, Protocol
 
-from autotune.cli import bench, diagnose, generate, profile, replay, report, serve, strategies, study
+from autotune.cli import bench, diagnose, generate, loadtest, profile, replay, report, serve, strategies, study
 from autotune.errors import USER_ERRORS
 
 
@@ -26,6 +26,7 @@ COMMANDS: dict[str, Command] = {  # in the order `autotune --help` lists them
     "strategies": strategies,
     "report": report,
     "replay": replay,
+    "loadtest": loadtest,
     "profile": profile,
     "diagnose": diagnose,
     "study": study,

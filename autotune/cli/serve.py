@@ -19,6 +19,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="requests decoded side by side (continuous batching; default: what memory allows for "
+                        "--max-context, at most 16; 1 decodes one request at a time)")
+    p.add_argument("--max-batch-rows", type=int, metavar="ROWS",
+                   help="target rows one decode step verifies at most (plain: 1 per request, speculative: 1 + "
+                        "drafted); drafts shrink to fit (default: no limit)")
+    p.add_argument("--max-context", type=int, metavar="TOKENS",
+                   help="prompt + max_tokens of one request (default: the model's context); longer requests get a 400")
     p.add_argument("--route-distance", type=float,
                    help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
     p.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
@@ -79,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     return serve(ServeConfig(
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
-        adaptive=adaptive, grace_s=args.grace, limits=Limits(
+        adaptive=adaptive, grace_s=args.grace, max_batch=args.max_batch, max_context=args.max_context,
+        max_batch_rows=args.max_batch_rows, limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout),
     ))

@@ -46,11 +46,12 @@ class Server:
     """What the endpoints share: the served model, its worker, the strategy book and metrics."""
 
     def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, context: int | None = None) -> None:
         self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
         self.limits = limits if limits is not None else Limits()
         self.tokenizer = target.tokenizer
-        self.context = target.hf_model.config.max_position_embeddings  # = CausalLM.dims.max_positions
+        # prompt + max_tokens of one request: the model's context, or less (--max-context)
+        self.context = context or target.hf_model.config.max_position_embeddings
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
@@ -190,7 +191,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         server.metrics.queue_depth.set(server.worker.depth)
-        server.metrics.decoders.set(len(server.worker.decoders))  # what the worker holds
+        server.metrics.decoders.set(server.worker.n_decoders)  # what the worker holds
         server.metrics.verify_widths.set(len(server.worker.widths))
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -8,6 +8,8 @@ and ``autotune:spec_decode_num_accepted_tokens_per_pos_total{position}``.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from runtime.stats import DecodeStats
@@ -15,6 +17,8 @@ from runtime.stats import DecodeStats
 PREFIX = "autotune:"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 DISTANCE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ROW_BUCKETS = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
 
 
@@ -50,6 +54,12 @@ class ServingMetrics:
                                     "failed: one failed attempt, retried; dropped: given up)", ["outcome"], registry=r)
         self.store_writes_pending = Gauge(f"{PREFIX}store_writes_pending", "Store writes waiting for the writer "
                                           "thread", registry=r)
+        self.batch_size = Histogram(f"{PREFIX}batch_size", "Requests advanced by each decode step", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.batch_rows = Histogram(f"{PREFIX}batch_rows", "Target rows each decode step verified (1 per plain "
+                                    "request, 1 + drafted per speculative one)", buckets=ROW_BUCKETS, registry=r)
+        self.draft_length = Histogram(f"{PREFIX}step_draft_tokens", "Tokens drafted per request and step, by route",
+                                      route, buckets=ROW_BUCKETS, registry=r)
         self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
 
     def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float,
@@ -65,6 +75,16 @@ class ServingMetrics:
         self.requests.labels(route, finish_reason).inc()
         self.latency.labels(route).observe(latency_s)
         self.ttft.labels(route).observe(ttft_s)
+
+    def observe_step(self, batch: list[Any]) -> None:
+        """After a decode step (``DecodeWorker.on_step``): its batch size, rows, and draft lengths."""
+        rows = 0
+        for r in batch:
+            n = r.member.decoder.last_rows
+            rows += n
+            self.draft_length.labels(r.job.choice.route).observe(n - 1)
+        self.batch_size.observe(len(batch))
+        self.batch_rows.observe(rows)
 
     def set_strategy(self, route: str, label: str, strategy_json: str) -> None:
         self.strategy.labels(route).info({"strategy": label, "json": strategy_json})

@@ -21,6 +21,8 @@ from autotune.serving.limits import Limits
 
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
 GRACE_S = 20.0  # SIGTERM: how long the running request may take to finish (under Kubernetes' 30 s)
+MAX_BATCH = 16  # the default --max-batch where memory allows it
+KV_SHARE = 0.8  # of the memory free after loading, what the default --max-batch lets KV caches take
 BACKSTOP_S = 2.0  # uvicorn's own limit is the grace plus this: it cancels what is still open then
 
 
@@ -39,7 +41,10 @@ class ServeConfig:
     refresh_s: float = REFRESH_S
     adaptive: Any = None  # ``adaptive.AdaptSettings``: drift detection and re-tuning on live traffic
     limits: Limits = field(default_factory=Limits)  # API key, body size, request deadline
-    grace_s: float = GRACE_S  # SIGTERM: the running request's time to finish
+    grace_s: float = GRACE_S  # SIGTERM: the running requests' time to finish
+    max_batch: int | None = None  # requests decoded side by side; None: what memory allows, at most MAX_BATCH
+    max_context: int | None = None  # prompt + max_tokens per request; None: the model's context
+    max_batch_rows: int | None = None  # target rows one decode step verifies at most; None: no limit
 
     def __post_init__(self) -> None:
         if not 0 <= self.grace_s < float("inf"):
@@ -48,6 +53,13 @@ class ServeConfig:
             raise CliError(f"--port must be in 0..65535, got {self.port}")
         if self.max_queue < 1:
             raise CliError(f"--max-queue must be at least 1, got {self.max_queue}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise CliError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if self.max_batch_rows is not None and self.max_batch_rows < (self.max_batch or 1):
+            raise CliError(f"--max-batch-rows must be at least --max-batch ({self.max_batch or 1}): every request "
+                           f"needs a row a step; got {self.max_batch_rows}")
+        if self.max_context is not None and self.max_context < 2:
+            raise CliError(f"--max-context must be at least 2 tokens, got {self.max_context}")
         if self.route_distance is not None and not 0.0 <= self.route_distance <= 1.0:
             raise CliError(f"--route-distance must be in [0, 1] (cosine distance), got {self.route_distance}")
 
@@ -78,8 +90,12 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     metrics = ServingMetrics()
     book = StrategyBook(storage, target, cfg.draft, cfg.device, metrics, cfg.route_distance)
     book.refresh()
+    context = min(cfg.max_context or target.hf_model.config.max_position_embeddings,
+                  target.hf_model.config.max_position_embeddings)
+    max_batch = batch_size(cfg.max_batch, kv_bytes_per_slot(target.hf_model.config, context), context, available_memory())
     worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
-        job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance))
+        job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance),
+        max_batch=max_batch, on_step=metrics.observe_step, max_batch_rows=cfg.max_batch_rows)
     worker.share_width(book.strategies())
     if cfg.adaptive is not None:
         from autotune.serving.adaptive.adaptive import Adapter
@@ -89,7 +105,44 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
-    return Server(cfg.model, target, worker, book, metrics, cfg.limits)
+    if max_batch > 1:
+        worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
+    return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)
+
+
+def kv_bytes_per_slot(config: Any, context: int) -> int:
+    """KV cache bytes one request of ``context`` tokens holds (keys and values, every layer)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * 4 * context  # float32 caches
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated now (``MemAvailable``), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def batch_size(asked: int | None, slot_bytes: int, context: int, free: int | None) -> int:
+    """``--max-batch``: as asked when its caches fit in memory (else a start-up error naming the
+    sizes), or what fits, at most ``MAX_BATCH``."""
+    gib = 2**30
+    if asked is not None:
+        if free is not None and asked * slot_bytes > free:
+            raise CliError(
+                f"--max-batch {asked} x a {context}-token context needs {asked * slot_bytes / gib:.1f} GiB of KV cache "
+                f"({slot_bytes / gib:.2f} GiB per request) and {free / gib:.1f} GiB is free; lower --max-batch or "
+                "--max-context")
+        return asked
+    if free is None:
+        return MAX_BATCH
+    return max(1, min(MAX_BATCH, int(free * KV_SHARE // slot_bytes)))
 
 
 def make_app(server: Any, refresh_s: float) -> Any:

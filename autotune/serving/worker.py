@@ -1,12 +1,16 @@
 """One decode worker per model: a thread that owns the loaded models and serves a bounded queue.
 
-Requests are decoded one at a time, in arrival order, by the same ``Decoder.generate`` that
-``autotune generate`` runs (no second decode loop). Each strategy in use gets its decoder once
-(built from the shared ``ModelPool``, so switching strategy between requests reloads nothing).
-A request whose client went away is skipped, or stopped at the next round when it is running.
+Requests are continuously batched: up to ``max_batch`` decode side by side, each with its own
+strategy (its own decoder: drafter state, KV cache, generator), one round per step
+(``runtime.batching.batch_round``: each drafts, then one target forward verifies every sequence's
+rows). A request joins between steps (its prefill runs then, one at a time, in arrival order) and
+leaves when it is done; a request decoding alone runs exactly ``Decoder.generate``'s round. A
+request that re-tunes its route decodes alone, driven by its tuner, while the batch waits. Decoders
+are built from the shared ``ModelPool`` (the weights once), one per running request of a strategy.
+A request whose client went away is skipped, or leaves the batch at the next step.
 
 Its condition is what ``/health`` reports (``condition``): ``draining`` once ``drain`` was called
-(SIGTERM: the waiting requests are answered 503 + Retry-After at once, the running one has the
+(SIGTERM: the waiting requests are answered 503 + Retry-After at once, the running ones have the
 grace period to finish), ``worker_dead`` when the thread ended on something no request handler
 can catch (a ``BaseException``: its request gets a 500, the waiting ones a 503, later ones a 503),
 ``failing`` after ``FAILING_AFTER`` decodes in a row failed with an internal error (a success
@@ -23,11 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
-from runtime.decoding import Decoder, GenerationConfig
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths
+from runtime.batching import Member, batch_round
+from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.errors import RuntimeUserError
-from runtime.pipeline import ModelPool, build_decoder
+from runtime.pipeline import ModelPool, build_decoder, verify_backend
+from runtime.transformer import BatchPart, CausalLM
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
 
@@ -36,6 +45,7 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue, or from a draining server, sug
 FAILING_AFTER = 3  # internal decode failures in a row after which /health answers 503 ("failing")
 HOLD_S = 2.0  # longest a finished request's answer waits for the store write its decode started
 CHECK_HOLD_S = 60.0  # ... and, before that, for the result's check on the decode thread
+DRAFT_TOKEN_SHARE = 0.3  # a drafted token's price before any was timed, as a share of a one-row target step
 log = logging.getLogger("autotune.serve")
 
 
@@ -84,14 +94,31 @@ class Job:
     # only delays this one answer
     hold: threading.Event | None = None
     checked: threading.Event | None = None  # set once that result was checked and handed to the writer
+    adapt: Any = None  # the adaptive layer's routing of this request (``Adapter.begin``)
+
+
+@dataclass
+class Running:
+    """A request in the running batch."""
+
+    job: Job
+    member: Member
+    strategy: Strategy
 
 
 class DecodeWorker:
     """The decode thread of one model and its bounded queue."""
 
     def __init__(self, pool: ModelPool, target: Any, draft: str | None, max_queue: int,
-                 on_done: Callable[[Job, Outcome], None] | None = None) -> None:
+                 on_done: Callable[[Job, Outcome], None] | None = None, max_batch: int = 1,
+                 on_step: Callable[[list[Running]], None] | None = None, max_batch_rows: int | None = None) -> None:
         self.pool, self.target, self.draft = pool, target, draft
+        self.max_batch = max_batch
+        self.max_batch_rows = max_batch_rows  # target rows a step may verify (None: no limit)
+        self.on_step = on_step  # after each batched step, with the requests it advanced (metrics)
+        self.load_aware = True  # draft lengths shrink with load (``autotune.tuning.load``)
+        self.step_cost = StepCost()  # a batched forward's price (``profile_steps``, then the real steps)
+        self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
@@ -102,21 +129,39 @@ class DecodeWorker:
         self.width_frozen = False
         self.widths: set[int] = set()  # the verify widths this worker's decoders were built for
         self.unservable: dict[Strategy, str] = {}  # strategies it cannot run, and why
-        self.busy = False
         self.failures = 0  # internal decode failures in a row
         # a fault-injection point for tests, called on the decode thread before each request;
         # nothing reachable over HTTP sets it
         self.fault: Callable[[Job], None] | None = None
         self._closing = False
-        self._running: Job | None = None
+        self._batch: list[Running] = []  # the running batch
+        self._solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
+        self._in_use: set[int] = set()  # ids of the decoders serving a running request
+        self._spare: dict[Strategy, list[Decoder]] = {}  # more decoders per strategy, for batch-mates
+        self._batch_target: tuple[int, CausalLM] | None = None  # (verify width, the wrapper batched steps run)
+        self._stop_seen = False
         self._ended = False  # the stop sentinel is queued
         self._died = False
         self._thread = threading.Thread(target=self._run, name="autotune-decode", daemon=True)
 
     @property
+    def busy(self) -> bool:
+        return bool(self._batch) or self._solo is not None
+
+    @property
+    def running(self) -> int:
+        """Requests being decoded."""
+        return len(self._batch) + int(self._solo is not None)
+
+    @property
+    def n_decoders(self) -> int:
+        """Decoders kept (one per strategy, and spares for batch-mates of the same strategy)."""
+        return len(self.decoders) + sum(len(v) for v in self._spare.values())
+
+    @property
     def depth(self) -> int:
         """Requests waiting or being decoded."""
-        return self.jobs.qsize() + int(self.busy)
+        return self.jobs.qsize() + self.running
 
     def start(self) -> None:
         self._thread.start()
@@ -166,7 +211,7 @@ class DecodeWorker:
     def drain(self, grace_s: float) -> None:
         """Stop serving (SIGTERM): refuse new requests, answer the waiting ones 503 with
         Retry-After now, and let the running one finish within ``grace_s`` (then it is answered
-        503 at once and stops decoding at its next round); the thread ends after it. Safe to call again: a shorter
+        503 at once and stops decoding at its next round); the thread ends after them. Safe to call again: a shorter
         grace wins. Call it from a thread that holds no lock of this worker (not a signal handler)."""
         self._closing = True
         expiry = threading.Timer(max(grace_s, 0.0), self._expire)  # not at a round's end: rounds may be slow
@@ -175,21 +220,21 @@ class DecodeWorker:
         self._refuse_waiting(_shutting_down())
         if not self._ended:
             self._ended = True
-            self.jobs.put(None)  # behind the running job: the queue is empty, so this never blocks long
+            self.jobs.put(None)  # behind the running jobs: the queue is empty, so this never blocks long
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Drain with no grace: the running request stops at its next round; wait for the thread."""
+        """Drain with no grace: the running requests stop at their next round; wait for the thread."""
         self.drain(0.0)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _expire(self) -> None:
-        """The grace period is over: answer the running request 503 now; it stops at its next round."""
-        job = self._running
-        if job is not None and not job.cancelled.is_set():
-            job.cancelled.set()
-            job.emit("error", _shutting_down("the server is shutting down and stopped this request after its "
-                                             "grace period (--grace); retry"))
+        """The grace period is over: answer the running requests 503 now; they stop at their next round."""
+        for job in [r.job for r in list(self._batch)] + [self._solo]:
+            if job is not None and not job.cancelled.is_set():
+                job.cancelled.set()
+                job.emit("error", _shutting_down("the server is shutting down and stopped this request after its "
+                                                 "grace period (--grace); retry"))
 
     def _refuse_waiting(self, err: ApiError) -> None:
         while True:
@@ -257,63 +302,228 @@ class DecodeWorker:
     def _draft_for(self, strategy: Strategy) -> str | None:
         return self.draft if strategy.drafter == "draft-model" else None
 
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                continue
-            if self._closing:  # queued in the instant before a drain emptied the queue
-                job.emit("error", _shutting_down())
-                continue
-            self.busy, self._running = True, job
-            try:
-                if self.fault is not None:
-                    self.fault(job)
-                self._decode(job)
-                self.failures = 0
-            except ApiError as exc:
-                job.emit("error", exc)
-            except Exception:  # a bug must not kill the worker: report it to this request only
-                self.failures += 1
-                log.exception("decoding a request failed")  # the details go to the log, never to the client
-                job.emit("error", _decode_failed())
-            except BaseException:  # nothing can go on after this: say so to everyone waiting
-                self._died = True
-                log.critical("the decode worker stopped; /health answers 503 from now on", exc_info=True)
-                job.emit("error", _decode_failed())
-                self._refuse_waiting(ApiError(503, "this server cannot decode (its decode worker stopped)",
-                                              type_="server_error", code="worker_dead"))
-                return
-            finally:
-                self.busy, self._running = False, None
-            if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
-                self.adapter.after_answer(skip=self._closing)
-
-    def _decode(self, job: Job) -> None:
-        # text is decoded between rounds only when someone reads it then: a streaming client, or
-        # stop strings that may end decoding early; otherwise once, at the end
-        per_round = job.streamed or bool(job.stream.stops)
-
-        def after_round(tokens: list[int]) -> bool:
-            if job.first_token_at is None:
-                job.first_token_at = time.perf_counter()
-            if per_round:
-                self._release(job, job.stream.push(tokens))
-            return job.stream.stopped or job.cancelled.is_set()
-
-        if self.servable(job.choice.strategy) is not None:  # logged once; lossless either way
-            job.choice = replace(job.choice, strategy=PLAIN, label="plain", state="unservable")
-        try:
-            if self.adapter is not None and job.choice.state != "unservable":
-                result = self.adapter.generate(job, after_round)
+    def acquire(self, strategy: Strategy) -> Decoder:
+        """A decoder of ``strategy`` that serves no running request (a batch-mate of the same
+        strategy gets another one, built from the pool's shared weights)."""
+        dec = self.decoder(strategy)
+        if id(dec) in self._in_use:
+            spare = self._spare.setdefault(strategy, [])
+            if spare:
+                dec = spare.pop()
             else:
-                result = self.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
-        except RuntimeUserError as exc:  # e.g. a stored strategy whose layer plan does not fit this model
-            raise ApiError(400, str(exc), "autotune.strategy", code="strategy_unusable") from None
+                width = dec.verify_width if strategy.speculates else None
+                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width)
+        self._in_use.add(id(dec))
+        return dec
+
+    def release(self, strategy: Strategy, dec: Decoder) -> None:
+        self._in_use.discard(id(dec))
+        if self.decoders.get(strategy) is not dec:
+            spare = self._spare.setdefault(strategy, [])
+            if len(spare) < self.max_batch and strategy in self.decoders:
+                spare.append(dec)
+        for gone in [s for s in self._spare if s not in self.decoders]:  # its primary was evicted
+            del self._spare[gone]
+
+    def batch_target(self) -> CausalLM:
+        """The target wrapper batched steps run: on CPU in float32, the packed copy at the verify
+        width (verify rows are then computed as a solo verify computes them); else the served one."""
+        if self._batch_target is None or self._batch_target[0] != self.verify_width:
+            lm = self.pool.served(self.target)
+            backend = verify_backend(self.pool.device)
+            if (backend != "dense" and lm.backend == "dense" and self.verify_width > 1 and not self.pool.compile
+                    and lm.dtype == torch.float32):
+                lm = self.pool.target_for_width(self.target, backend, self.verify_width)
+            self._batch_target = (self.verify_width, lm)
+        return self._batch_target[1]
+
+    def _run(self) -> None:
+        try:
+            while self._fill():
+                if self._batch:
+                    self._step()
+                if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
+                    self.adapter.after_answer(skip=self._closing)
+        except BaseException:  # nothing can go on after this: say so to everyone waiting
+            self._died = True
+            log.critical("the decode worker stopped; /health answers 503 from now on", exc_info=True)
+            for job in [r.job for r in self._batch] + [self._solo]:
+                if job is not None:
+                    job.emit("error", _decode_failed())
+            self._batch, self._solo = [], None
+            self._refuse_waiting(ApiError(503, "this server cannot decode (its decode worker stopped)",
+                                          type_="server_error", code="worker_dead"))
+
+    def _fill(self) -> bool:
+        """Admit waiting requests while the batch has room (blocking while nothing runs) -> False
+        once the worker should end (the stop sentinel was seen and nothing runs)."""
+        while len(self._batch) < self.max_batch:
+            # block for the next request only when there is nothing else to do
+            idle = not self._batch and not self._stop_seen and not (self.adapter is not None and self.adapter.deferred)
+            try:
+                job = self.jobs.get() if idle else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._stop_seen = True
+                continue
+            self._admit(job)
+        return bool(self._batch) or not self._stop_seen
+
+    def _admit(self, job: Job) -> None:
+        """Start ``job``: its prefill now, then it joins the batch (a re-tune's request decodes
+        whole, alone)."""
         if job.cancelled.is_set():
             return
+        if self._closing:  # queued in the instant before a drain emptied the queue
+            job.emit("error", _shutting_down())
+            return
+        running: Running | None = None
+        self._solo = job
+        try:
+            if self.fault is not None:
+                self.fault(job)
+            if self.servable(job.choice.strategy) is not None:  # logged once; lossless either way
+                job.choice = replace(job.choice, strategy=PLAIN, label="plain", state="unservable")
+            retune = None
+            if self.adapter is not None and job.choice.state != "unservable":
+                retune = self.adapter.begin(job)
+            if retune is not None:
+                self._decode_alone(job, lambda after: self.adapter.generate_retune(job, retune, after))
+                self._solo = None
+                return
+            strategy = job.choice.strategy
+            dec = self.acquire(strategy)
+            try:
+                with torch.inference_mode():
+                    seq = _user_errors(dec.start, job.ids, job.cfg)
+            except BaseException:
+                self.release(strategy, dec)
+                raise
+            running = Running(job, Member(dec, seq), strategy)
+            self._batch.append(running)
+            self._solo = None
+            if self._after_round(job, seq.out):
+                self._leave(running)
+        except ApiError as exc:
+            self._fail(job, running, exc)
+        except Exception:  # a bug must not kill the worker: report it to this request only
+            self.failures += 1
+            log.exception("decoding a request failed")  # the details go to the log, never to the client
+            self._fail(job, running, _decode_failed())
+        self._solo = None  # not on a BaseException: the worker's end answers this request too
+
+    def _step(self) -> None:
+        """One round for every running request; the finished, stopped and departed ones leave."""
+        batch = list(self._batch)
+        self._choose_lengths(batch)
+        drafting = sum(r.member.seq.stats.draft_s for r in batch)
+        started = time.perf_counter()
+        try:
+            _user_errors(batch_round, self.batch_target(), [r.member for r in batch])
+        except Exception as exc:  # which request's round failed is unknown: the step's requests fail
+            if not isinstance(exc, ApiError):
+                self.failures += 1
+                log.exception("a batched decode step failed")
+            for r in batch:
+                self._fail(r.job, r, exc if isinstance(exc, ApiError) else _decode_failed())
+            return
+        if len(batch) > 1:  # the target forward's time: the step's, less its drafting
+            forward_s = time.perf_counter() - started - (sum(r.member.seq.stats.draft_s for r in batch) - drafting)
+            self.step_cost.observe(sum(r.member.decoder.last_rows for r in batch), len(batch), forward_s)
+        if self.on_step is not None:
+            self.on_step(batch)
+        for r in batch:
+            if self._after_round(r.job, r.member.seq.out) or r.member.seq.finished:
+                self._leave(r)
+
+    def _choose_lengths(self, batch: list[Running]) -> None:
+        """Each speculative request's draft length this step (``autotune.tuning.load``): its
+        strategy's when it decodes alone, the goodput-maximising one in a batch."""
+        if len(batch) == 1 or not self.load_aware:
+            for r in batch:
+                r.member.decoder.step_cap = _fit_rows(r.strategy, self.max_batch_rows)
+            return
+        candidates = []
+        for r in batch:
+            s, stats = r.strategy, r.member.seq.stats
+            entry = r.job.choice.entry
+            prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
+            per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
+            if per_token is None:
+                per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
+            candidates.append(Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
+                                        s.draft_length if s.speculates else 0, per_token, _rows_of(s)))
+        for r, k in zip(batch, choose_lengths(candidates, self.step_cost, self.max_batch_rows)):
+            r.member.decoder.step_cap = k
+
+    def profile_steps(self, context: int = 256) -> None:
+        """Time batched target forwards at a few (rows, sequences) over ``context``-token caches:
+        the step cost's start-up profile (the real steps refine it)."""
+        lm = self.batch_target()
+        shapes = sorted({(b * k, b) for b in (1, 2, 4, 8, 16) if b <= self.max_batch for k in (1, 4)})
+        profile = []
+        with torch.inference_mode():
+            for rows, seqs in shapes:
+                caches = [lm.new_cache(context + rows) for _ in range(seqs)]
+                parts = []
+                for cache in caches:
+                    cache.length = context  # attention over a full context costs the same on zeros
+                    parts.append(BatchPart(torch.zeros(rows // seqs, dtype=torch.long, device=lm.device), cache))
+                lm.forward_batch(parts)  # warm
+                for cache in caches:
+                    cache.length = context
+                started = time.perf_counter()
+                lm.forward_batch(parts)
+                profile.append((rows, seqs, time.perf_counter() - started))
+        self.step_cost = StepCost(profile)
+
+    def _leave(self, r: Running) -> None:
+        """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
+        self._batch.remove(r)
+        self.release(r.strategy, r.member.decoder)
+        stats = r.member.seq.stats
+        if stats.drafted and r.strategy.speculates:
+            self.draft_token_s[r.strategy.drafter] = stats.draft_s / stats.drafted
+        try:
+            result = r.member.seq.result()
+            if self.adapter is not None:
+                self.adapter.decoded(r.job, result)
+            if not r.job.cancelled.is_set():
+                self._complete(r.job, result)
+            self.failures = 0
+        except ApiError as exc:
+            r.job.emit("error", exc)
+        except Exception:
+            self.failures += 1
+            log.exception("finishing a request failed")
+            r.job.emit("error", _decode_failed())
+
+    def _fail(self, job: Job, running: Running | None, err: ApiError) -> None:
+        if running is not None and running in self._batch:
+            self._batch.remove(running)
+            self.release(running.strategy, running.member.decoder)
+        job.emit("error", err)
+
+    def _after_round(self, job: Job, tokens: list[int]) -> bool:
+        """After the prefill and each round: time to first token, streamed text -> True when the
+        request stops here (a stop string, or its client left)."""
+        if job.first_token_at is None:
+            job.first_token_at = time.perf_counter()
+        # text is decoded between rounds only when someone reads it then: a streaming client, or
+        # stop strings that may end decoding early; otherwise once, at the end
+        if job.streamed or job.stream.stops:
+            self._release(job, job.stream.push(tokens))
+        return job.stream.stopped or job.cancelled.is_set()
+
+    def _decode_alone(self, job: Job, decode: Callable[[Callable[[list[int]], bool]], GenerationResult]) -> None:
+        """Decode ``job`` whole, now, while the batch waits (a re-tune's tuner drives its rounds)."""
+        result = _user_errors(decode, lambda tokens: self._after_round(job, tokens))
+        if not job.cancelled.is_set():
+            self._complete(job, result)
+        self.failures = 0
+
+    def _complete(self, job: Job, result: GenerationResult) -> None:
         self._release(job, job.stream.push(result.tokens) + job.stream.finish())
         ended = job.stream.stopped or (result.tokens and result.tokens[-1] in job.cfg.eos_token_ids)
         now = time.perf_counter()
@@ -345,6 +555,41 @@ class DecodeWorker:
     def _release(job: Job, text: str) -> None:
         if text and job.streamed:
             job.emit("delta", text)
+
+
+def _rows_of(strategy: Strategy) -> Callable[[int], int]:
+    """Target rows of ``strategy``'s draft cut to length ``k`` (a tree: its nodes to depth k)."""
+    widths = strategy.tree_widths
+    if not strategy.speculates or not widths:
+        return lambda k: 1 + k
+
+    def rows(k: int) -> int:
+        total, level = 1, 1
+        for w in widths[:k]:
+            level *= w
+            total += level
+        return total
+
+    return rows
+
+
+def _fit_rows(strategy: Strategy, max_rows: int | None) -> int | None:
+    """The longest draft of ``strategy`` whose verify fits ``max_rows`` rows (None: no cap needed)."""
+    if max_rows is None or not strategy.speculates:
+        return None
+    rows = _rows_of(strategy)
+    k = strategy.draft_length
+    while k > 0 and rows(k) > max_rows:
+        k -= 1
+    return None if k == strategy.draft_length else k
+
+
+def _user_errors(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a strategy this server cannot run (a layer plan that does not fit) as a 400."""
+    try:
+        return fn(*args)
+    except RuntimeUserError as exc:
+        raise ApiError(400, str(exc), "autotune.strategy", code="strategy_unusable") from None
 
 
 def _shutting_down(message: str = "the server is shutting down; retry on another replica") -> ApiError:

@@ -83,7 +83,9 @@ def _tokens_for(url: str, seconds: float) -> int:
 
 def test_health_says_loading_then_sigterm_drains_and_exits_0(store_url):
     grace = 60.0  # the default is 20 s; a shared CPU's speed varies too much to finish within it reliably
-    proc, url, seen = _start(store_url, "--grace", str(grace), "--max-queue", "8")
+    # one request at a time, so that three wait in the queue (batched, they would be running: see
+    # test_sigterm_lets_the_running_batch_finish)
+    proc, url, seen = _start(store_url, "--grace", str(grace), "--max-queue", "8", "--max-batch", "1")
     try:
         # listening before the model is ready: /health and the API say "loading", not "refused"
         assert seen[0] == (503, {"status": "loading"}), seen
@@ -109,6 +111,30 @@ def test_health_says_loading_then_sigterm_drains_and_exits_0(store_url):
         assert proc.wait(grace) == 0, proc.stderr.read()
         assert time.monotonic() - sent < grace
         assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_lets_the_running_batch_finish(store_url):
+    """Batched (the default), four requests run side by side at SIGTERM: all four finish within
+    the grace period with their whole budget, then the process exits 0."""
+    grace = 60.0
+    proc, url, _ = _start(store_url, "--grace", str(grace), "--max-batch", "4")
+    try:
+        tokens = _tokens_for(url, 3.0)
+        with cf.ThreadPoolExecutor(4) as ex:
+            running = [ex.submit(_post_timed, url, {**COUNT, "max_tokens": tokens}) for _ in range(4)]
+            _wait_depth(url, 4)
+            time.sleep(0.3)
+            assert not any(f.done() for f in running), "a request ended before SIGTERM: make them longer"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for fut in running:
+                r, _ = fut.result()
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens, r.text
+        assert proc.wait(grace) == 0, proc.stderr.read()
+        assert time.monotonic() - sent < grace
     finally:
         if proc.poll() is None:
             proc.kill()

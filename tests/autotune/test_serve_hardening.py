@@ -201,8 +201,8 @@ TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def hurried(pool, smollm, store_url):
-    """One waiting place and a short deadline (no key)."""
-    storage, live = _live(pool, store_url, max_queue=1, limits=Limits(request_timeout_s=TIMEOUT_S))
+    """One running request, one waiting place and a short deadline (no key)."""
+    storage, live = _live(pool, store_url, max_queue=1, max_batch=1, limits=Limits(request_timeout_s=TIMEOUT_S))
     with live:
         yield live
     storage.close()

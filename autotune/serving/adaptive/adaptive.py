@@ -127,12 +127,60 @@ class Adapter:
         self._publish()
 
     # ------------------------------------------------------------------ the decode worker's calls
-    def generate(self, job: Any, after_round: Callable) -> GenerationResult:
-        """Decode ``job`` as its route's state says: a re-tune's tuner, or the routed strategy."""
+    def begin(self, job: Any) -> Retune | None:
+        """Route ``job`` as its route's state says (``job.choice`` may change) -> the re-tune whose
+        tuner decodes it (``generate_retune``, alone), or None: it decodes with ``job.choice``'s
+        strategy (in the batch), and ``decoded`` is called with its result."""
+        job.adapt = None
+        choice = job.choice
+        if choice.route in ADAPTIVE_ROUTES_EXCLUDED:  # served as asked, measured for no route
+            return None
+        if choice.route == UNKNOWN and choice.entry is None:  # no general entry yet: the server's default
+            default = self.book.default
+            choice = job.choice = replace(choice, strategy=default, label="default" if default.speculates else "plain")
+        health = self._health(choice)
+        cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
+        retune = (self.retunes.get(f"{UNKNOWN}#{cluster}") if cluster is not None else None) \
+            or self.retunes.get(choice.route)
+        if retune is not None:
+            job.choice = replace(choice, label="tuning", state="tuning")
+            if retune.cluster is not None:
+                self.pending.touch(retune.cluster)  # a cluster re-tuning is not the stalest
+        job.adapt = (retune, health, cluster, choice)
+        return retune
+
+    def generate_retune(self, job: Any, retune: Retune, after_round: Callable) -> GenerationResult:
+        """Decode ``job`` with its route's re-tune (the tuner drives its rounds)."""
         try:
-            return self._generate(job, after_round)
-        finally:
+            result = retune.generate(job.ids, job.cfg, self._storable(job.text), after_round)
+        except Exception:  # this request fails; its route goes on with its stored strategy
+            self._drop(retune, "failed")
             self._publish()
+            raise
+        self._after_decode(lambda: self._after_retune_request(retune, job))
+        self._publish()
+        return result
+
+    def decoded(self, job: Any, result: GenerationResult) -> None:
+        """``job`` (routed by ``begin``, no re-tune) decoded: judge its route on it."""
+        if job.adapt is not None:
+            _, health, cluster, choice = job.adapt
+            sampled = not job.cfg.sampling.greedy
+            self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
+        self._publish()
+
+    def generate(self, job: Any, after_round: Callable) -> GenerationResult:
+        """Route and decode ``job`` alone (``begin``, then its re-tune or its strategy, then ``decoded``)."""
+        retune = self.begin(job)
+        if retune is not None:
+            return self.generate_retune(job, retune, after_round)
+        try:
+            result = self.worker.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
+        except BaseException:
+            self._publish()
+            raise
+        self.decoded(job, result)
+        return result
 
     def after_answer(self, skip: bool = False) -> None:
         """Work a request left for after its answer (a re-tune's lossless check and store write);
@@ -159,33 +207,6 @@ class Adapter:
         self.writer.close()
 
     # ------------------------------------------------------------------ internals
-    def _generate(self, job: Any, after_round: Callable) -> GenerationResult:
-        choice = job.choice
-        if choice.route in ADAPTIVE_ROUTES_EXCLUDED:  # served as asked, measured for no route
-            return self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
-        if choice.route == UNKNOWN and choice.entry is None:  # no general entry yet: the server's default
-            default = self.book.default
-            choice = job.choice = replace(choice, strategy=default, label="default" if default.speculates else "plain")
-        health = self._health(choice)
-        cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
-        retune = (self.retunes.get(f"{UNKNOWN}#{cluster}") if cluster is not None else None) \
-            or self.retunes.get(choice.route)
-        if retune is not None:
-            job.choice = replace(choice, label="tuning", state="tuning")
-            if retune.cluster is not None:
-                self.pending.touch(retune.cluster)  # a cluster re-tuning is not the stalest
-            try:
-                result = retune.generate(job.ids, job.cfg, self._storable(job.text), after_round)
-            except Exception:  # this request fails; its route goes on with its stored strategy
-                self._drop(retune, "failed")
-                raise
-            self._after_decode(lambda: self._after_retune_request(retune, job))
-            return result
-        result = self.worker.decoder(choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
-        sampled = not job.cfg.sampling.greedy
-        self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
-        return result
-
     def _judge(self, health: RouteHealth, choice: Any, cluster: int | None, text: str, stats: DecodeStats,
                sampled: bool) -> None:
         if not choice.strategy.speculates:

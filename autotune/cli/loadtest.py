@@ -1,0 +1,84 @@
+"""``autotune loadtest``: closed-loop clients against one or more running ``autotune serve``
+servers, at several concurrencies and modes -> a table, JSON and a PNG of throughput and latency
+against concurrency. The client is :mod:`autotune.measure.loadtest`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.cli.replay import stream_from_args
+from autotune.errors import CliError
+from autotune.measure.replay import ReplaySettings, parse_modes
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("loadtest", help="closed-loop clients against `autotune serve`: aggregate tok/s and latency "
+                                        "at each concurrency and mode, with a plot")
+    p.add_argument("--url", action="append", required=True, metavar="[LABEL=]URL",
+                   help="a server to measure; repeat to compare servers in one run (e.g. new=http://...:8000 "
+                        "old=http://...:8001)")
+    p.add_argument("--stream", default="mixed", help="mixed, or a .jsonl file of {category, messages | prompt} rows")
+    p.add_argument("--limit", type=int, help="take only the stream's first N requests")
+    p.add_argument("--requests-per-client", type=int, default=2, metavar="N",
+                   help="each point sends N x its concurrency requests, the stream's first ones (default 2)")
+    p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
+                   "strategy ids (default plain,default,auto)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
+    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per request (default 96)")
+    p.add_argument("--timeout", type=float, default=ReplaySettings.timeout_s, help="seconds to wait for one response")
+    p.add_argument("--json", dest="json_out", type=Path, help="write the points to this file")
+    p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw throughput and latency against concurrency")
+    p.add_argument("--also", type=Path, action="append", default=[], metavar="FILE.json",
+                   help="points of an earlier run (its --json) to show beside this run's (e.g. another server "
+                        "measured alone, when two do not fit in memory at once)")
+    p.set_defaults(tasks=None, block=None, blocks_per_task=None, offset=None, seed=None)  # the mixed stream's defaults
+
+
+def _servers(urls: list[str]) -> list[tuple[str, str]]:
+    servers = []
+    for i, given in enumerate(urls):
+        label, sep, url = given.partition("=")
+        servers.append((label, url) if sep and not label.startswith("http") else (f"server{i + 1}", given))
+    return servers
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--concurrency must be a comma list of whole numbers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise CliError(f"--concurrency levels must be at least 1, got {text!r}")
+    return levels
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune.measure.loadtest import format_points, load_test, read_points
+
+    servers = _servers(args.url)
+    levels, modes = _levels(args.concurrency), parse_modes(args.mode)
+    requests = stream_from_args(args)
+
+    def progress(point: Any) -> None:
+        print(f"{point.server} {point.mode} x{point.concurrency}: {point.tokens_per_s:.2f} tok/s, "
+              f"p50 {point.latency_p50_s:.1f} s", file=sys.stderr, flush=True)
+
+    earlier = [point for path in args.also for point in read_points(path)]
+    if args.requests_per_client < 1:
+        raise CliError(f"--requests-per-client must be at least 1, got {args.requests_per_client}")
+    points = load_test(servers, requests, modes, levels, args.max_tokens, args.timeout, progress,
+                       args.requests_per_client)
+    print(format_points(earlier + points))
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"config": {"servers": servers, "stream": args.stream, "requests": len(requests),
+                                                        "max_tokens": args.max_tokens, "modes": list(modes),
+                                                        "levels": levels},
+                                             "points": [p.as_dict() for p in points]}, indent=2))
+    if args.plot:
+        from autotune.reports.plots import load_plot
+
+        print(f"plot: {load_plot(earlier + points, args.plot)}")
+    return 0

@@ -1,0 +1,156 @@
+"""A load test of a running ``autotune serve``: closed-loop clients, one mode and one concurrency
+at a time -> aggregate throughput and latency per (server, mode, concurrency).
+
+Each point sends the stream's first ``requests-per-client x concurrency`` requests: ``concurrency``
+clients each send their next request as soon as their last one is answered. Reported: aggregate tok/s (tokens
+of all responses / wall time), requests/s, p50 / p95 latency and p50 time to first token as the
+client saw them, and, from the server's ``/metrics`` (before and after the point), the mean batch
+size and target rows per decode step (absent on a server without batching).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autotune.measure.replay import ReplayClient, ReplaySettings
+from studies.stream import StreamRequest
+
+STEP_METRICS = ("autotune:batch_size_sum", "autotune:batch_size_count", "autotune:batch_rows_sum")
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    server: str  # the label of the server measured
+    mode: str
+    concurrency: int
+    requests: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    requests_per_s: float
+    latency_p50_s: float
+    latency_p95_s: float
+    ttft_p50_s: float
+    mean_batch: float | None  # requests per decode step, from /metrics
+    rows_per_step: float | None  # target rows per decode step
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def step_counters(client: ReplayClient) -> dict[str, float] | None:
+    """The batching counters of the server's /metrics, or None when it has none."""
+    response = client.http.get("/metrics")
+    if response.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in STEP_METRICS:
+            found[name] = float(value)
+    return found if len(found) == len(STEP_METRICS) else None
+
+
+def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int,
+                  server: str = "server") -> LoadPoint:
+    """Send every request in ``mode`` from ``concurrency`` closed-loop clients."""
+    before = step_counters(client)
+    pending = list(requests)
+    lock = threading.Lock()
+    done: list[tuple[float, float, int]] = []  # (latency, ttft, tokens)
+    failed: list[BaseException] = []
+
+    def client_loop() -> None:
+        while True:
+            with lock:
+                if not pending or failed:
+                    return
+                request = pending.pop(0)
+            sent = time.perf_counter()
+            try:
+                record = client.chat(model, request, mode)
+            except BaseException as exc:  # reported once every client stopped
+                with lock:
+                    failed.append(exc)
+                return
+            latency = time.perf_counter() - sent
+            # the server's ttft counts from the request's arrival, as the client's latency does
+            with lock:
+                done.append((latency, record.ttft_s, len(record.token_ids)))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if failed:
+        raise failed[0]
+    after = step_counters(client)
+    mean_batch = rows = None
+    if before is not None and after is not None:
+        steps = after["autotune:batch_size_count"] - before["autotune:batch_size_count"]
+        if steps > 0:
+            mean_batch = (after["autotune:batch_size_sum"] - before["autotune:batch_size_sum"]) / steps
+            rows = (after["autotune:batch_rows_sum"] - before["autotune:batch_rows_sum"]) / steps
+    tokens = sum(n for *_, n in done)
+    latencies = [lat for lat, _, _ in done]
+    return LoadPoint(
+        server=server, mode=mode, concurrency=concurrency, requests=len(done), tokens=tokens, wall_s=wall,
+        tokens_per_s=tokens / wall, requests_per_s=len(done) / wall, latency_p50_s=statistics.median(latencies),
+        latency_p95_s=_quantile(latencies, 0.95), ttft_p50_s=statistics.median(t for _, t, _ in done),
+        mean_batch=mean_batch, rows_per_step=rows,
+    )
+
+
+def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
+              levels: Sequence[int], max_tokens: int, timeout_s: float,
+              progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2) -> list[LoadPoint]:
+    """Every (server, mode, concurrency) point, one at a time (``servers``: (label, url) pairs);
+    a point sends ``per_client`` x its concurrency requests (the first ones of ``requests``)."""
+    points = []
+    for label, url in servers:
+        with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:
+            model = client.model_name()
+            for mode in modes:
+                for level in levels:
+                    point = measure_point(client, model, requests[: per_client * level], mode, level, label)
+                    points.append(point)
+                    if progress is not None:
+                        progress(point)
+    return points
+
+
+def format_points(points: Sequence[LoadPoint]) -> str:
+    lines = ["| server | mode | concurrency | requests | tok/s | req/s | p50 latency s | p95 latency s | p50 TTFT s "
+             "| mean batch | rows / step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        batch = "-" if p.mean_batch is None else f"{p.mean_batch:.1f}"
+        rows = "-" if p.rows_per_step is None else f"{p.rows_per_step:.1f}"
+        lines.append(f"| {p.server} | {p.mode} | {p.concurrency} | {p.requests} | {p.tokens_per_s:.2f} | "
+                     f"{p.requests_per_s:.3f} | {p.latency_p50_s:.2f} | {p.latency_p95_s:.2f} | {p.ttft_p50_s:.2f} | "
+                     f"{batch} | {rows} |")
+    return "\n".join(lines)
+
+
+def read_points(path: Any) -> list[LoadPoint]:
+    """The points a ``loadtest --json`` file holds."""
+    import json
+
+    try:
+        data = json.loads(open(path).read())
+        return [LoadPoint(**p) for p in data["points"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        from autotune.errors import CliError
+
+        raise CliError(f"cannot read load-test points from {path}: {exc}; pass a file `loadtest --json` wrote") from None

@@ -1,0 +1,64 @@
+"""Load-aware draft lengths (``autotune.tuning.load``): the goodput choice shrinks drafts as the
+batch grows, drops speculation that does not pay, and the step cost fits what it observes."""
+from __future__ import annotations
+
+import pytest
+
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens
+
+
+def _cpu_like() -> StepCost:
+    """A step that costs 100 ms plus 3 ms a row and 1 ms a sequence (a CPU's nearly flat verify)."""
+    return StepCost([(r, s, 0.1 + 0.003 * r + 0.001 * s) for r in (1, 4, 16, 64) for s in (1, 4, 16) if s <= r])
+
+
+def test_step_cost_recovers_its_coefficients():
+    cost = _cpu_like()
+    assert cost.predict(10, 2) == pytest.approx(0.1 + 0.03 + 0.002, rel=1e-6)
+
+
+def test_the_best_draft_length_falls_as_the_batch_grows():
+    cost = _cpu_like()
+    seq = Candidate(acceptance=0.8, max_length=8, draft_token_s=0.002)
+    by_batch = {b: choose_lengths([seq] * b, cost) for b in (1, 4, 16, 64)}
+    mean = {b: sum(ks) / len(ks) for b, ks in by_batch.items()}
+    assert mean[1] >= mean[4] >= mean[16] >= mean[64]
+    assert mean[1] > mean[64]
+    assert all(k <= 8 for ks in by_batch.values() for k in ks)
+
+
+def test_speculation_that_does_not_pay_is_dropped():
+    cost = _cpu_like()
+    slow_draft = Candidate(acceptance=0.2, max_length=6, draft_token_s=0.05)  # a draft token costs half a step
+    assert choose_lengths([slow_draft], cost) == [0]
+    lookup = Candidate(acceptance=0.7, max_length=6, draft_token_s=0.0)
+    assert choose_lengths([lookup], cost)[0] > 0
+
+
+def test_choice_maximises_goodput_against_brute_force():
+    cost = _cpu_like()
+    cands = [Candidate(0.9, 5, 0.001), Candidate(0.5, 5, 0.004), Candidate(0.7, 3, 0.0)]
+
+    def goodput(ks):
+        rows = sum(1 + k for k in ks)
+        seconds = cost.predict(rows, 3) + sum(c.draft_token_s * k for c, k in zip(cands, ks))
+        return sum(expected_tokens(c.acceptance, k) for c, k in zip(cands, ks)) / seconds
+
+    best = max(((a, b, c) for a in range(6) for b in range(6) for c in range(4)), key=goodput)
+    got = choose_lengths(cands, cost)
+    assert goodput(got) == pytest.approx(goodput(list(best)), rel=1e-9)
+
+
+def test_acceptance_estimate_moves_from_the_prior_to_the_sequence():
+    assert acceptance_estimate(0.9, 0, 0) == pytest.approx(0.9)
+    assert acceptance_estimate(0.9, 10, 100) < 0.2
+    assert acceptance_estimate(None, 0, 0) == pytest.approx(0.6)
+
+
+def test_a_row_budget_caps_the_step():
+    cost = StepCost([(r, s, 0.1 + 0.0001 * r) for r in (1, 8, 32) for s in (1, 4) if s <= r])  # rows nearly free
+    seqs = [Candidate(0.9, 8, 0.0)] * 4
+    assert choose_lengths(seqs, cost) == [8, 8, 8, 8]
+    capped = choose_lengths(seqs, cost, max_rows=12)
+    assert sum(1 + k for k in capped) == 12 and max(capped) - min(capped) <= 1
+    assert choose_lengths(seqs, cost, max_rows=4) == [0, 0, 0, 0]

@@ -1,0 +1,137 @@
+"""Continuous batching in `autotune serve` (real SmolLM2, fp32): concurrent requests with different
+strategies decode side by side and each returns exactly what it returns alone."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+
+from autotune.serving.server import ServeConfig, batch_size, build_server, kv_bytes_per_slot
+from autotune.errors import CliError
+from autotune.store.records import ResultMetrics
+from autotune.store.resolve import strategy_key
+from autotune.store.storage import open_storage
+from search_spaces.strategy import Strategy
+from tests.helpers import MODEL, LiveServer, chat, metric, routing_texts
+
+pytestmark = pytest.mark.slow
+
+STRATEGIES = {  # name -> (draft, strategy)
+    "chain": (MODEL, Strategy(draft_length=4, draft_precision="int8")),
+    "tree": (MODEL, Strategy(draft_length=3, tree_widths=(2, 2, 1), draft_precision="int8")),
+    "lookup": (MODEL, Strategy(drafter="prompt-lookup", draft_length=6)),  # the key names the served draft
+}
+
+
+@pytest.fixture(scope="module")
+def live(pool, smollm, tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('batch') / 'store.db'}"
+    storage = open_storage(url)
+    for name, (draft, strategy) in STRATEGIES.items():
+        storage.record(strategy_key(smollm, draft or None, name, "cpu"), strategy, ResultMetrics.from_throughput(10.0))
+    ids = {b.key.task: str(b.id) for b in storage.list_best()}
+    server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, max_batch=8), storage, pool=pool)
+    sizes: list[int] = []
+    observe = server.worker.on_step
+    server.worker.on_step = lambda batch: (sizes.append(len(batch)), observe(batch))
+    with LiveServer(server) as running:
+        yield running, ids, sizes
+    storage.close()
+
+
+def _together(live, jobs):
+    """Send ``jobs`` (text, strategy) at once: the worker holds the first until all are queued."""
+    worker = live.server.worker
+    gate = threading.Event()
+    worker.fault = lambda job: gate.wait(30)
+    client = live.client()
+    with cf.ThreadPoolExecutor(len(jobs)) as ex:
+        futures = [ex.submit(chat, client, text, strategy, max_tokens=40) for text, strategy in jobs]
+        deadline = time.monotonic() + 30
+        while worker.jobs.qsize() < len(jobs) - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gate.set()
+        results = [f.result() for f in futures]
+    worker.fault = None
+    return results
+
+
+@pytest.mark.parametrize("load_aware", [False, True])
+def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(live, load_aware):
+    """Plain, a chain, a tree and prompt lookup side by side. With the strategies' own lengths,
+    every one drafts in the batch; with load-aware lengths, some may draft less or not at all. The
+    answers are the same either way."""
+    running, ids, sizes = live
+    texts = routing_texts("humaneval", 2, 20) + routing_texts("gsm8k", 2, 20)
+    jobs = list(zip(texts, ["plain", ids["chain"], ids["tree"], ids["lookup"]]))
+    alone = [chat(running.client(), text, strategy, max_tokens=40) for text, strategy in jobs]
+    sizes.clear()
+    running.server.worker.load_aware = load_aware
+    try:
+        together = _together(running, jobs)
+    finally:
+        running.server.worker.load_aware = True
+    assert max(sizes) == 4, sizes  # the four decoded side by side
+    for (text, strategy), a, b in zip(jobs, alone, together):
+        assert b[:2] == a[:2], strategy  # text and token ids
+    infos = [b[2] for b in together]
+    assert [i["strategy"] for i in infos][1:] == [ids["chain"], ids["tree"], ids["lookup"]]
+    assert infos[0]["drafted"] == 0
+    if not load_aware:
+        assert all(i["drafted"] > 0 for i in infos[1:]), infos
+        assert max(i["accepted_per_position"][1] if len(i["accepted_per_position"]) > 1 else 0 for i in infos) > 0
+    assert metric(running.url, "autotune:batch_size_count") >= len(sizes)
+
+
+def test_a_request_that_leaves_does_not_stop_its_batch_mates(live):
+    """Three requests together, one of them with a budget of 4 tokens: it leaves after a few
+    steps; the others go on and still equal their solo answers."""
+    running, ids, sizes = live
+    texts = routing_texts("gsm8k", 3, 30)
+    client = running.client()
+    want = [chat(client, t, ids["lookup"], max_tokens=40)[:2] for t in texts[1:]]
+    worker = running.server.worker
+    gate = threading.Event()
+    worker.fault = lambda job: gate.wait(30)
+    with cf.ThreadPoolExecutor(3) as ex:
+        short = ex.submit(chat, client, texts[0], "plain", max_tokens=4)
+        longer = [ex.submit(chat, client, t, ids["lookup"], max_tokens=40) for t in texts[1:]]
+        while worker.jobs.qsize() < 2:
+            time.sleep(0.02)
+        gate.set()
+        assert len(short.result()[1]) == 4
+        assert [f.result()[:2] for f in longer] == want
+    worker.fault = None
+
+
+def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
+    slot = kv_bytes_per_slot(smollm.hf_model.config, 8192)
+    assert slot == 2 * 30 * 3 * 64 * 4 * 8192  # SmolLM2: 30 layers, 3 KV heads of 64
+    with pytest.raises(CliError, match="--max-batch 64 x a 8192-token context needs"):
+        batch_size(64, slot, 8192, free=2 * 2**30)
+    assert batch_size(None, slot, 8192, free=2 * 2**30) == 4  # 80% of 2 GiB / 377 MiB
+    assert batch_size(None, slot, 8192, free=None) == 16
+    assert batch_size(None, 1, 8192, free=2**40) == 16
+
+
+def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
+    from autotune.measure.loadtest import format_points, load_test, read_points
+    from autotune.reports.plots import load_plot
+    from studies.stream import load_stream
+
+    running, _, _ = live
+    requests = load_stream("mixed")[:4]
+    points = load_test([("new", running.url)], requests, ["plain"], [1, 4], max_tokens=8, timeout_s=120,
+                       per_client=1)
+    assert [(p.concurrency, p.requests) for p in points] == [(1, 1), (4, 4)]
+    assert all(p.tokens > 0 and p.tokens_per_s > 0 and p.latency_p95_s >= p.latency_p50_s for p in points)
+    assert points[1].mean_batch is not None and points[1].mean_batch > 1  # four clients were batched
+    assert "| new | plain | 4 | 4 |" in format_points(points)
+    path = tmp_path / "points.json"
+    import json
+
+    path.write_text(json.dumps({"points": [p.as_dict() for p in points]}))
+    assert read_points(path) == points
+    assert load_plot(points, tmp_path / "load.png").stat().st_size > 0
