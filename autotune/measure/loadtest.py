@@ -20,6 +20,7 @@ from autotune.measure.replay import ReplayClient, ReplaySettings
 from studies.stream import StreamRequest
 
 STEP_METRICS = ("autotune:batch_size_sum", "autotune:batch_size_count", "autotune:batch_rows_sum")
+DRAFT_METRICS = ("autotune:step_draft_tokens_sum", "autotune:step_draft_tokens_count")  # summed over routes
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LoadPoint:
     ttft_p50_s: float
     mean_batch: float | None  # requests per decode step, from /metrics
     rows_per_step: float | None  # target rows per decode step
+    draft_per_request: float | None = None  # tokens drafted per request and step (load-aware lengths)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,10 +56,11 @@ def step_counters(client: ReplayClient) -> dict[str, float] | None:
         return None
     found: dict[str, float] = {}
     for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in STEP_METRICS:
-            found[name] = float(value)
-    return found if len(found) == len(STEP_METRICS) else None
+        name, _, value = line.rpartition(" ")
+        name = name.split("{", 1)[0]
+        if name in STEP_METRICS + DRAFT_METRICS:
+            found[name] = found.get(name, 0.0) + float(value)
+    return found if all(n in found for n in STEP_METRICS) else None
 
 
 def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int,
@@ -97,19 +100,24 @@ def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamReq
     if failed:
         raise failed[0]
     after = step_counters(client)
-    mean_batch = rows = None
+    mean_batch = rows = drafts = None
     if before is not None and after is not None:
-        steps = after["autotune:batch_size_count"] - before["autotune:batch_size_count"]
+        def delta(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        steps = delta("autotune:batch_size_count")
         if steps > 0:
-            mean_batch = (after["autotune:batch_size_sum"] - before["autotune:batch_size_sum"]) / steps
-            rows = (after["autotune:batch_rows_sum"] - before["autotune:batch_rows_sum"]) / steps
+            mean_batch = delta("autotune:batch_size_sum") / steps
+            rows = delta("autotune:batch_rows_sum") / steps
+        if delta("autotune:step_draft_tokens_count") > 0:
+            drafts = delta("autotune:step_draft_tokens_sum") / delta("autotune:step_draft_tokens_count")
     tokens = sum(n for *_, n in done)
     latencies = [lat for lat, _, _ in done]
     return LoadPoint(
         server=server, mode=mode, concurrency=concurrency, requests=len(done), tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall, requests_per_s=len(done) / wall, latency_p50_s=statistics.median(latencies),
         latency_p95_s=_quantile(latencies, 0.95), ttft_p50_s=statistics.median(t for _, t, _ in done),
-        mean_batch=mean_batch, rows_per_step=rows,
+        mean_batch=mean_batch, rows_per_step=rows, draft_per_request=drafts,
     )
 
 
@@ -133,13 +141,14 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
 
 def format_points(points: Sequence[LoadPoint]) -> str:
     lines = ["| server | mode | concurrency | requests | tok/s | req/s | p50 latency s | p95 latency s | p50 TTFT s "
-             "| mean batch | rows / step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mean batch | rows / step | drafted / request / step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         batch = "-" if p.mean_batch is None else f"{p.mean_batch:.1f}"
         rows = "-" if p.rows_per_step is None else f"{p.rows_per_step:.1f}"
+        drafts = "-" if p.draft_per_request is None else f"{p.draft_per_request:.2f}"
         lines.append(f"| {p.server} | {p.mode} | {p.concurrency} | {p.requests} | {p.tokens_per_s:.2f} | "
                      f"{p.requests_per_s:.3f} | {p.latency_p50_s:.2f} | {p.latency_p95_s:.2f} | {p.ttft_p50_s:.2f} | "
-                     f"{batch} | {rows} |")
+                     f"{batch} | {rows} | {drafts} |")
     return "\n".join(lines)
 
 

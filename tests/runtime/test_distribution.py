@@ -20,7 +20,8 @@ import runtime.decoding
 import runtime.drafters
 import runtime.sampling
 import runtime.tree_verify
-from runtime.decoding import Decoder
+from runtime.batching import Member, batch_round
+from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import Draft, ModelDrafter, SelfDrafter, TreeShape
 from runtime.linear import mkl_packing_available
 from runtime.lookup import PromptLookupDrafter
@@ -196,6 +197,49 @@ def _chain_through_tree_verifier(m: dict[str, torch.nn.Module], monkeypatch: pyt
     return case
 
 
+class InBatch:
+    """Decodes its prompt continuously batched beside a batch-mate (a tree-drafting sequence over
+    another prompt, with its own seed): every round of the sequence counted is a batched step
+    (``runtime.batching.batch_round``: one target forward over both, per-sequence acceptance)."""
+
+    MATE_PROMPT = [4, 0, 2, 2, 1, 3, 0, 1, 4]
+
+    def __init__(self, decoder: Decoder, mate: Callable[[], Decoder]) -> None:
+        self.decoder, self.mate = decoder, mate
+
+    @property
+    def drafter(self) -> Any:  # sample_joint records the drafts through this
+        return self.decoder.drafter
+
+    @drafter.setter
+    def drafter(self, value: Any) -> None:
+        self.decoder.drafter = value
+
+    def generate(self, prompt: list[int], config: GenerationConfig, before_round: Any = None) -> Any:
+        mate_decoder = self.mate()
+        mate_config = GenerationConfig(max_new_tokens=config.max_new_tokens + 8, sampling=config.sampling,
+                                       seed=config.seed + 1000)
+        with torch.inference_mode():
+            me = Member(self.decoder, self.decoder.start(prompt, config))
+            mate = Member(mate_decoder, mate_decoder.start(self.MATE_PROMPT, mate_config))
+        while not me.seq.finished:
+            if before_round is not None:
+                before_round(self.decoder, prompt + me.seq.out, me.seq.cache, me.seq.stats)
+            assert not mate.seq.finished, "the batch-mate ended first: the round would not be batched"
+            batch_round(self.decoder.target, [me, mate])
+        return me.seq.result()
+
+
+def _batched(shape: TreeShape) -> Builder:
+    def build(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
+        target = CausalLM(m["target"])
+        mate = lambda: model_decoder(CausalLM(m["target"]), CausalLM(m["draft"]), TREE)  # noqa: E731
+        decoder = InBatch(model_decoder(target, CausalLM(m["draft"]), shape), mate)
+        return Case(decoder, target, checks=dict(branched=shape.max_nodes() > len(shape.widths)))  # type: ignore[arg-type]
+
+    return build
+
+
 MODES: dict[str, Builder] = {
     "chain": _draft_case(CHAIN),
     "tree-3-2-1": _draft_case(TREE, branched=True),
@@ -214,6 +258,8 @@ MODES: dict[str, Builder] = {
     "lookup-first-tree": _lookup_first(TREE),
     "packed-verify": _packed_verify,
     "chain-through-tree-verifier": _chain_through_tree_verifier,
+    "batched-chain": _batched(CHAIN),
+    "batched-tree": _batched(TREE),
 }
 
 
@@ -271,6 +317,15 @@ def test_harness_rejects_a_wrong_acceptance_rule(mutant, models, monkeypatch):
     assert got.stats.drafted > 0
     result = chi_square(exact, got.counts)
     assert result.pvalue < ALPHA or result.impossible, f"{mutant} went unnoticed: {result}"
+
+
+def test_harness_rejects_a_wrong_rule_in_a_batch(models, monkeypatch):
+    """Power check of the batched case: accepting every draft inside a batched step is caught."""
+    monkeypatch.setattr(runtime.decoding, "accept_chain", _accept_every_draft)
+    exact, got = _run(_batched(CHAIN)(models, monkeypatch))
+    assert got.stats.drafted > 0
+    result = chi_square(exact, got.counts)
+    assert result.pvalue < ALPHA or result.impossible, f"a wrong rule in a batch went unnoticed: {result}"
 
 
 def test_harness_rejects_a_lookup_check_that_always_keeps_the_copy(models, monkeypatch):
