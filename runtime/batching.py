@@ -1,7 +1,8 @@
 """Continuous batching: several sequences, each with its own decoder (strategy, drafter state), KV
 cache and random source, advance together by one round per step.
 
-A step drafts for every sequence with its own drafter, then verifies every sequence's rows (1 for
+A step drafts for every sequence with its own drafter (the draft-model forwards of sequences that
+share a draft model run as one batched forward per depth: ``draft_together``), then verifies every sequence's rows (1 for
 plain decoding, ``1 + N`` for a chain, a tree or a lookup copy) in **one** target forward
 (``CausalLM.forward_batch``: ragged rows, a mask per sequence), then accepts per sequence with the
 single-sequence rules and that sequence's generator, reading every result back in one ``tolist``.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
-from runtime.draft import Draft
+from runtime.draft import Draft, DraftSteps, Forward
 from runtime.transformer import BatchPart, CausalLM
 
 
@@ -27,6 +28,39 @@ class Member:
 
     decoder: Decoder
     seq: Sequence
+
+
+def draft_together(all_steps: list[DraftSteps]) -> list[Draft]:
+    """Run several drafters' steps in lockstep -> their drafts. Each time every drafter still
+    drafting has asked for its next forward, the forwards over one draft model's weights (the
+    same shared projections, no layer plan) run as one batched forward; the others one by one."""
+    drafts: list[Draft | None] = [None] * len(all_steps)
+    waiting: dict[int, Forward] = {}
+
+    def advance(i: int, logits: torch.Tensor | None) -> None:
+        try:
+            waiting[i] = all_steps[i].send(logits) if logits is not None else next(all_steps[i])
+        except StopIteration as done:
+            drafts[i] = done.value
+
+    for i in range(len(all_steps)):
+        advance(i, None)
+    while waiting:
+        asked, groups = dict(waiting), {}
+        waiting.clear()
+        for i, f in asked.items():
+            key = ("alone", i) if f.plan is not None or f.model.recorder is not None else (id(f.model.linears), id(f.model.head))
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            if len(members) == 1:
+                advance(members[0], asked[members[0]].run())
+                continue
+            model = asked[members[0]].model
+            outs = model.forward_batch([BatchPart(asked[i].tokens, asked[i].cache, asked[i].positions,
+                                                  asked[i].rel_mask, asked[i].logits_for) for i in members])
+            for i, logits in zip(members, outs):
+                advance(i, logits)
+    return [d for d in drafts if d is not None]
 
 
 def batch_round(target: CausalLM, members: list[Member]) -> list[list[int]]:
@@ -43,12 +77,12 @@ def batch_round(target: CausalLM, members: list[Member]) -> list[list[int]]:
         seq.out.extend(new)
         return [new]
     with torch.inference_mode():
-        drafts: list[Draft] = []
-        for m in members:
-            t0 = time.perf_counter()
-            drafts.append(m.decoder.propose(m.seq.out, m.seq.config, m.seq.gen))
-            m.seq.stats.draft_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        drafts = draft_together([m.decoder.propose_steps(m.seq.out, m.seq.config, m.seq.gen) for m in members])
         t1 = time.perf_counter()
+        drafting = [m for m, d in zip(members, drafts) if d.tokens.numel()]
+        for m in drafting:  # the drafting forwards were shared: each sequence gets its share
+            m.seq.stats.draft_s += (t1 - t0) / len(drafting)
         rows = [m.decoder.rows(m.seq.out[-1], d, m.seq.cache, pad=False) for m, d in zip(members, drafts)]
         logits = target.forward_batch([BatchPart(r.ids, m.seq.cache, r.positions, r.rel_mask)
                                        for m, r in zip(members, rows)])

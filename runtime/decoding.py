@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.draft import Draft, Drafter
+from runtime.draft import Draft, Drafter, DraftSteps, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
@@ -219,10 +219,20 @@ class Decoder:
 
     def propose(self, out: list[int], config: GenerationConfig, gen: torch.Generator) -> Draft:
         """This round's draft (empty for plain decoding), at most what the token budget leaves."""
+        return drive(self.propose_steps(out, config, gen))
+
+    def propose_steps(self, out: list[int], config: GenerationConfig, gen: torch.Generator) -> DraftSteps:
+        """:meth:`propose` as steps (``runtime.draft.Forward``): a drafter without steps (prompt
+        lookup) proposes at once."""
         k = min(self.draft_length, config.max_new_tokens - len(out) - 1)  # a round adds <= k + 1
         if self.step_cap is not None:  # a batch under load drafts less (autotune.tuning.load)
             k = min(k, self.step_cap)
-        return self.drafter.propose(k, config.sampling, gen) if self.drafter else _no_draft()
+        if self.drafter is None:
+            return _no_draft()
+        steps = getattr(self.drafter, "propose_steps", None)
+        if steps is None:
+            return self.drafter.propose(k, config.sampling, gen)
+        return (yield from steps(k, config.sampling, gen))
 
     def conclude(
         self, draft: Draft, path: list[int], new_tokens: list[int], stats: DecodeStats, eos: frozenset[int]

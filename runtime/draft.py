@@ -3,14 +3,19 @@ and the ``Drafter`` protocol every drafter implements (HF candidate-generator st
 ``begin`` / ``propose`` / ``observe``, plus ``reconfigure`` to switch strategies while decoding)."""
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams
 from search_spaces.strategy import Strategy
+
+if TYPE_CHECKING:
+    from runtime.transformer import CausalLM
+    from search_spaces.layer_plan import LayerPlan
 
 
 @dataclass
@@ -43,3 +48,37 @@ class Drafter(Protocol):
         """Draft as ``strategy`` says from the next round on, keeping what was learned of the
         sequence (caches, n-gram index): how a decoder switches strategies while decoding."""
         ...
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward a drafter needs (``ModelDrafter.propose_steps`` yields them): ``model`` over
+    ``tokens`` into ``cache``, as ``CausalLM.forward`` takes them. Alone it runs as it is; in a
+    batch, forwards of drafters sharing one draft model's weights run as one
+    (``runtime.batching``)."""
+
+    model: "CausalLM"
+    tokens: torch.Tensor  # [T] long
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    rel_mask: torch.Tensor | None = None
+    logits_for: slice | None = None
+    plan: "LayerPlan | None" = None
+
+    def run(self) -> torch.Tensor:
+        return self.model(self.tokens, self.cache, positions=self.positions, rel_mask=self.rel_mask,
+                          logits_for=self.logits_for, plan=self.plan)
+
+
+# a drafter's propose as steps: yields each Forward, is sent its logits, returns the Draft
+DraftSteps = Generator[Forward, torch.Tensor, Draft]
+
+
+def drive(steps: Generator[Forward, torch.Tensor, Draft]) -> Draft:
+    """Run ``steps`` alone: each forward as it comes."""
+    try:
+        forward = next(steps)
+        while True:
+            forward = steps.send(forward.run())
+    except StopIteration as done:
+        return done.value

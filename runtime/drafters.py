@@ -2,13 +2,14 @@
 the contract they implement (``Draft``, ``Drafter``) is ``runtime.draft``."""
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from runtime.draft import Draft
+from runtime.draft import Draft, DraftSteps, Forward, drive
 from runtime.kv_cache import KVCache
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
@@ -183,6 +184,12 @@ class ModelDrafter:
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
+        return drive(self.propose_steps(k, params, generator))
+
+    def propose_steps(self, k: int, params: SamplingParams, generator: torch.Generator) -> DraftSteps:
+        """:meth:`propose` as steps: yields each draft-model forward it needs (``Forward``), is
+        sent that forward's logits, returns the draft; a batch runs the forwards of several
+        sequences' drafters in one (``runtime.batching``)."""
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
@@ -197,16 +204,16 @@ class ModelDrafter:
         # what a round appends at most: the deepest draft the shape allows, + 1
         self.catch_up_width = max(self.catch_up_width, (len(self.shape.widths) if self.shape else k) + 1)
         if copy:
-            return self._propose_checked(copy, k, params, generator)
-        logits = self._catch_up()  # [1, Vd]
+            return (yield from self._propose_checked(copy, k, params, generator))
+        logits = yield from self._catch_up()  # [1, Vd]
         self.round.base = self.cache.length
         shape = self.shape or TreeShape(widths=(1,) * k)
         widths = shape.widths[: min(k, len(shape.widths))]
         if shape.dynamic is None and shape.threshold <= 0:
-            return self._propose_static(widths, logits, params, generator)
-        return self._propose_adaptive(shape, len(widths), logits, params, generator)
+            return (yield from self._propose_static(widths, logits, params, generator))
+        return (yield from self._propose_adaptive(shape, len(widths), logits, params, generator))
 
-    def _catch_up(self, copy: list[int] | None = None) -> torch.Tensor:
+    def _catch_up(self, copy: list[int] | None = None) -> Generator[Forward, torch.Tensor, torch.Tensor]:
         """Run the committed tokens the draft has not seen -> the last one's logits ``[1, Vd]``;
         with ``copy`` (a lookup copy to check) its tokens run after them in the same forward ->
         ``[1 + len(copy), Vd]``, row ``d`` predicting copy token ``d`` (the last, the token after
@@ -223,10 +230,10 @@ class ModelDrafter:
         padded = self.catch_up_width * (2 if copy else 1)
         width = max(rows, padded) if self.model.is_compiled and self.cache.length else rows
         if width == rows:
-            return self.model(ids, self.cache, logits_for=slice(n - 1, None), plan=plan).float()
+            return (yield Forward(self.model, ids, self.cache, logits_for=slice(n - 1, None), plan=plan)).float()
         start = self.cache.length
         ids = torch.cat([ids, ids[-1:].expand(width - rows)])
-        logits = self.model(ids, self.cache, plan=plan)
+        logits = yield Forward(self.model, ids, self.cache, plan=plan)
         self.cache.rollback(start + rows)
         return logits[n - 1 : rows].float()
 
@@ -235,7 +242,7 @@ class ModelDrafter:
         """Whether a lookup copy is checked by the model (chains) or drafted alone (trees)."""
         return self.shape is None or self.shape.is_chain
 
-    def _propose_checked(self, copy: list[int], k: int, params: SamplingParams, gen: torch.Generator) -> Draft:
+    def _propose_checked(self, copy: list[int], k: int, params: SamplingParams, gen: torch.Generator) -> DraftSteps:
         """A chain round from a lookup copy. One forward runs the pending tokens and the copy;
         depth by depth, the copied token is kept where the model would have drafted it (greedy:
         it is the argmax; sampling: ``reuse_or_draw``, so each depth is still drawn from the
@@ -246,7 +253,7 @@ class ModelDrafter:
         shape = self.shape or TreeShape(widths=(1,) * k)
         depth_max = min(k, len(shape.widths))
         copy = copy[:depth_max]
-        rows = self._catch_up(copy)  # [len(copy) + 1, Vd]
+        rows = yield from self._catch_up(copy)  # [len(copy) + 1, Vd]
         rnd = self.round
         rnd.base = self.cache.length - len(copy)
         tokens: list[int] = []
@@ -275,7 +282,8 @@ class ModelDrafter:
                 self.cache.rollback(rnd.base + depth)  # the copy's rows from here on are not the draft's
             if depth + 1 == depth_max:
                 break
-            logits = self.model(torch.tensor([tok], device=self.model.device), self.cache, plan=self.plan).float()[0]
+            logits = (yield Forward(self.model, torch.tensor([tok], device=self.model.device), self.cache,
+                                    plan=self.plan)).float()[0]
             rnd.slot[depth] = depth
         self.cache.rollback(rnd.base + len(rnd.slot))  # kept copy rows past a threshold stop
         q_all = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
@@ -283,7 +291,7 @@ class ModelDrafter:
 
     def _propose_static(
         self, widths: tuple[int, ...], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-    ) -> Draft:
+    ) -> DraftSteps:
         """A chain or a fixed-width tree: every depth is one forward over the whole frontier, its
         tokens picked on the device (top-k or sampled); nothing is read back. Node ``i`` of the
         tree's breadth-first order sits at draft-cache row ``base + i``."""
@@ -300,11 +308,13 @@ class ModelDrafter:
             tokens.append(picked)
             if depth + 1 == len(widths):
                 break
-            logits = self.draft_depth(picked, depth, layout)
+            logits = yield from self.draft_depth(picked, depth, layout)
         q = None if params.greedy else _pad_vocab(torch.cat(qs), self.target_vocab)
         return Draft(torch.cat(tokens), q, layout.parents)
 
-    def draft_depth(self, frontier: torch.Tensor, depth: int, layout: "StaticLayout") -> torch.Tensor:
+    def draft_depth(
+        self, frontier: torch.Tensor, depth: int, layout: "StaticLayout"
+    ) -> Generator[Forward, torch.Tensor, torch.Tensor]:
         """One draft step of a static shape: the frontier's tokens ``[F]`` (device) at tree depth
         ``depth + 1`` through the draft under its plan -> their logits ``[F, Vd]``. A chain's step
         is the causal default; a tree's frontier sees the prefix, its ancestors and itself."""
@@ -312,14 +322,14 @@ class ModelDrafter:
         offset = self.cache.length - rnd.base  # the frontier's first node index = its row offset
         pos = None if layout.chain else torch.full_like(frontier, rnd.base + depth)
         rel = None if layout.chain else layout.frontier_masks[depth]
-        logits = self.model(frontier, self.cache, positions=pos, rel_mask=rel, plan=self.plan).float()
+        logits = (yield Forward(self.model, frontier, self.cache, positions=pos, rel_mask=rel, plan=self.plan)).float()
         for r in range(frontier.shape[0]):
             rnd.slot[offset + r] = offset + r
         return logits
 
     def _propose_adaptive(
         self, shape: TreeShape, depth_max: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> Draft:
+    ) -> DraftSteps:
         """Confidence-aware shapes (a threshold, SWIFT's dynamic widths): how many children a node
         gets depends on its top-1 probability, one host read per depth."""
         tokens: list[int] = []
@@ -330,7 +340,7 @@ class ModelDrafter:
             expand = self._add_children(frontier, logits, depth, shape, params, generator, tokens, parents, qs)
             if not expand or depth + 1 == depth_max:
                 break
-            logits = self._forward_frontier(expand, tokens, parents)
+            logits = yield from self._forward_frontier(expand, tokens, parents)
             frontier = expand
         q = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q, tuple(parents))
@@ -361,7 +371,9 @@ class ModelDrafter:
                 parents.append(node)
         return expand
 
-    def _forward_frontier(self, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+    def _forward_frontier(
+        self, nodes: list[int], tokens: list[int], parents: list[int]
+    ) -> Generator[Forward, torch.Tensor, torch.Tensor]:
         """Run frontier nodes through the draft in one forward; each sees the prefix + ancestors."""
         rnd = self.round
         start = self.cache.length
@@ -382,7 +394,8 @@ class ModelDrafter:
             rnd.slot[n] = start - rnd.base + r
         ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
         positions = None if chain else positions  # a chain's rows sit at slot == position: the causal default
-        return self.model(ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan).float()  # [F, Vd]
+        logits = yield Forward(self.model, ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan)
+        return logits.float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         self.lookup.observe(n_accepted, new_tokens)
@@ -427,10 +440,10 @@ class SelfDrafter(ModelDrafter):
         self.pending = [prompt[-1]]  # the target cache holds everything before the last token
         self.exact_rows = []  # the target's cache: nothing of its own to keep across sequences
 
-    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+    def propose_steps(self, k: int, params: SamplingParams, generator: torch.Generator) -> DraftSteps:
         committed = self.cache.length
         try:
-            return super().propose(k, params, generator)
+            return (yield from super().propose_steps(k, params, generator))
         finally:
             self.cache.rollback(committed)
 

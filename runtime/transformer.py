@@ -315,9 +315,13 @@ class CausalLM:
             h = h + run_rows(lin["o"], torch.cat(outs))
             x = layer.post_attention_layernorm(h)
             h = h + run_rows(lin["down"], layer.mlp.act_fn(run_rows(lin["gate"], x)) * run_rows(lin["up"], x))
+        if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
+            h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
+            sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])
+                     for p in parts]
         logits = run_rows(self.head, self.norm(h))
-        for p, t in zip(parts, sizes):
-            p.cache.advance(t)
+        for p in parts:
+            p.cache.advance(int(p.tokens.shape[0]))
         return list(logits.split(sizes))
 
 
@@ -328,7 +332,8 @@ class BatchPart:
     tokens: torch.Tensor  # [T] long
     cache: KVCache
     positions: torch.Tensor | None = None  # [T] rope positions; default cache.length + arange
-    rel_mask: torch.Tensor | None = None  # [T, T] bool over this part's rows (a tree), else causal
+    rel_mask: torch.Tensor | None = None  # [T, R] bool over the last R slots (a tree), else causal
+    logits_for: slice | None = None  # which of its rows get logits (None: all)
 
 
 def _rows_key(rows: slice | torch.Tensor | None) -> Any:

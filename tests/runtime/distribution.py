@@ -110,7 +110,15 @@ class RecordingDrafter:
         self.inner.begin(prompt, capacity, target_cache)
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        draft = self.inner.propose(k, params, generator)
+        return self._record(k, self.inner.propose(k, params, generator))
+
+    def propose_steps(self, k: int, params: SamplingParams, generator: torch.Generator) -> Any:
+        """The steps the decoder runs (``Decoder.propose_steps``), recorded like ``propose``."""
+        steps = getattr(self.inner, "propose_steps", None)
+        draft = (yield from steps(k, params, generator)) if steps is not None else self.inner.propose(k, params, generator)
+        return self._record(k, draft)
+
+    def _record(self, k: int, draft: Draft) -> Draft:
         n = int(draft.tokens.numel())
         depth = compile_tree(tuple(draft.parents)).max_depth if draft.parents is not None else n
         self.drafts.append(DraftRecord(k, n, depth))

@@ -32,6 +32,12 @@ def _decoders(backend: str = "dense") -> dict[str, Callable[[], Decoder]]:
     """One builder per strategy kind, all over the same target weights (a seeded tiny qwen2)."""
     model = tiny_model("qwen2", 21, layers=4)
     draft = noisy_copy(model, 0.3, seed=2)
+    shared_draft = CausalLM(draft)  # drafters share its projections, as a ModelPool's do: they draft together
+
+    def draft_lm() -> CausalLM:
+        lm = CausalLM(draft)
+        lm.share_linears_from(shared_draft)
+        return lm
 
     def target() -> CausalLM:
         lm = CausalLM(model)
@@ -41,7 +47,7 @@ def _decoders(backend: str = "dense") -> dict[str, Callable[[], Decoder]]:
     def with_draft(shape: TreeShape) -> Callable[[], Decoder]:
         def build() -> Decoder:
             t = target()
-            return Decoder(t, ModelDrafter(CausalLM(draft), t.dims.vocab, shape), len(shape.widths),
+            return Decoder(t, ModelDrafter(draft_lm(), t.dims.vocab, shape), len(shape.widths),
                            verify_width=shape.max_nodes() + 1)
         return build
 
@@ -60,9 +66,10 @@ def _decoders(backend: str = "dense") -> dict[str, Callable[[], Decoder]]:
 
 @pytest.mark.parametrize("backend", ["dense", "int4"])
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
-def test_a_batch_decodes_each_sequence_as_it_decodes_alone(backend, sampling):
+def test_a_batch_decodes_each_sequence_as_it_decodes_alone(backend, sampling, monkeypatch):
     """Five strategies, five prompts of different lengths, joining at steps 0-4: every sequence's
-    tokens (sampled ones too: each keeps its own generator) equal its solo decode."""
+    tokens (sampled ones too: each keeps its own generator) equal its solo decode; the chain and
+    the tree, which share a draft model, draft in one batched forward per depth."""
     if backend == "int4" and not torch.backends.mkldnn.is_available():
         pytest.skip("no int4 CPU kernel in this torch build")
     params = SamplingParams() if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=40)
@@ -71,7 +78,18 @@ def test_a_batch_decodes_each_sequence_as_it_decodes_alone(backend, sampling):
     alone = [build().generate(p, c) for build, p, c in zip(builders.values(), PROMPTS, configs)]
     requests = [BatchRequest(build(), p, c, joins_at=i)
                 for i, (build, p, c) in enumerate(zip(builders.values(), PROMPTS, configs))]
+    draft_model = requests[1].decoder.drafter.model.hf_model
+    batched_drafts = []
+    real = CausalLM.forward_batch
+
+    def spy(self, parts):
+        if self.hf_model is draft_model:
+            batched_drafts.append(len(parts))
+        return real(self, parts)
+
+    monkeypatch.setattr(CausalLM, "forward_batch", spy)
     together = generate_batch(requests[0].decoder.target, requests)
+    assert batched_drafts and max(batched_drafts) == 2, batched_drafts  # the chain and the tree drafted together
     for name, a, b in zip(builders, alone, together):
         assert b.tokens == a.tokens, name
         assert b.stats.drafted == a.stats.drafted, name
