@@ -23,6 +23,8 @@ MAX_COMPILED_STEPS = 24  # distinct (plan, shape) graphs kept, over every compil
 CAPACITY_BUCKET = 256  # compiled decodes size their caches in these steps: one graph per bucket, not per prompt
 
 _seen: OrderedDict[Hashable, None] = OrderedDict()
+NEW_STEPS = [0]  # distinct steps seen so far in this process (each one a compilation): bench reports
+# how many happened inside measured runs
 
 
 def compile_mode(device: torch.device) -> str:
@@ -63,6 +65,7 @@ def note_step(key: Hashable) -> None:
         torch._dynamo.reset()
         _seen.clear()
     _seen[key] = None
+    NEW_STEPS[0] += 1
 
 
 def step_key(model: Any, tokens: torch.Tensor, rel_mask: torch.Tensor | None, cp: Any, *flags: Any) -> Hashable:

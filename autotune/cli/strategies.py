@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import StorageError
+from autotune.errors import CliError, StorageError
 from autotune.store.export import EXPORT_FORMATS, export_strategy
 
 
@@ -31,6 +31,10 @@ def add_parser(sub: Any) -> None:
         action.add_argument("id", type=int, help="the id shown by `autotune strategies list`")
     export.add_argument("--format", choices=EXPORT_FORMATS, default="json", help="json (default), hf or vllm")
     export.add_argument("--output", type=Path, help="write to this file instead of stdout")
+    export.add_argument("--batch-schedule", action="store_true",
+                        help="vllm: add num_speculative_tokens_per_batch_size, the draft length per batch size that "
+                             "maximises goodput, from step costs timed now on this machine (random weights of the "
+                             "model's shape; it must be the hardware the strategy was tuned on)")
     for action in (ls, show, delete, export):
         action.add_argument(
             "--storage", help="SQLAlchemy URL of the store (default: $AUTOTUNE_STORAGE or a local SQLite file)"
@@ -100,6 +104,14 @@ def _delete(storage: Any, args: argparse.Namespace) -> int:
 def _export(storage: Any, args: argparse.Namespace) -> int:
     stored = _require(storage, args.id)
     payload, notes = export_strategy(stored, args.format)
+    if args.batch_schedule:
+        if args.format != "vllm" or not isinstance(payload, dict):
+            raise CliError("--batch-schedule applies to --format vllm of a speculative strategy")
+        from autotune.measure.steps import vllm_batch_schedule
+
+        payload["num_speculative_tokens_per_batch_size"] = vllm_batch_schedule(stored)
+        notes.append("num_speculative_tokens_per_batch_size was measured on this machine and transfers only to this "
+                     "hardware")
     text = json.dumps(payload, sort_keys=True) if args.json else json.dumps(payload, indent=2, sort_keys=True)
     for note in notes:
         print(f"autotune: note: {note}", file=sys.stderr)

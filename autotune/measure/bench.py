@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from runtime.compiled import bucketed
+from runtime.compiled import NEW_STEPS, bucketed
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder, draft_load_precision
@@ -318,14 +318,25 @@ def run_bench(
     runners = {spec.label: METHODS[spec.name](replace(ctx, options=dict(spec.options))) for spec in specs}
     methods = [spec.label for spec in specs]
     warm = GenerationConfig(max_new_tokens=min(warmup_tokens, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
-    for runner in runners.values():
-        runner(prompts[0], warm)
+    warm_prompts = [prompts[0]]
+    if ctx.pool.compile:  # compile every shape a method needs here: a whole decode per cache size bucket
+        buckets = {bucketed(len(p) + cfg.max_new_tokens + ctx.verify_width + 2): p for p in reversed(prompts)}
+        warm_prompts, warm = list(buckets.values()), cfg
+    compile_s = {}
+    for name, runner in runners.items():
+        started = time.perf_counter()
+        for prompt in warm_prompts:
+            runner(prompt, warm)
+        compile_s[name] = time.perf_counter() - started
+    compiled_during = dict.fromkeys(methods, 0)
     totals = {name: MethodTotals() for name in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:
         for prompt in prompts:
             for name, runner in runners.items():
                 bar.set_postfix_str(name)
+                seen = NEW_STEPS[0]
                 run = runner(prompt, cfg)
+                compiled_during[name] += NEW_STEPS[0] - seen
                 totals[name].stats = totals[name].stats.merge(run.stats)
                 totals[name].outputs.append(run.tokens)
                 totals[name].infos.append(run.info)
@@ -339,6 +350,10 @@ def run_bench(
             strategy = STRATEGY_METHODS[spec.name](replace(ctx, options=dict(spec.options)))
             report["methods"][spec.label]["strategy"] = strategy.to_dict()
     report["verify_width"] = ctx.verify_width
+    if ctx.pool.compile:  # the warm-up compiled; measured runs should compile nothing
+        for name in methods:
+            report["methods"][name]["compile_s"] = compile_s[name]
+            report["methods"][name]["compiled_in_measured_runs"] = compiled_during[name]
     return report
 
 
@@ -450,6 +465,12 @@ def format_table(report: dict[str, Any]) -> str:
     with console.capture() as cap:
         console.print(table)
     notes = [peers.format_note(name, m["peer"]) for name, m in report["methods"].items() if "peer" in m]
+    compiled = {name: m for name, m in report["methods"].items() if "compile_s" in m}
+    if compiled:  # --compile: what the warm-up spent compiling, apart from the measured runs
+        notes.append("compile (warm-up, not measured): " + ", ".join(
+            f"{name} {m['compile_s']:.1f} s" + (f" ({m['compiled_in_measured_runs']} more graphs inside measured runs)"
+                                                if m["compiled_in_measured_runs"] else "")
+            for name, m in compiled.items()))
     if agree:
         notes.append(f"agree: share of tokens equal up to the first difference, against {report['agreement_reference']}")
     return cap.get() + "".join(f"{line}\n" for line in notes)

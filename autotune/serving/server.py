@@ -10,6 +10,7 @@ the running one finishes within ``--grace`` seconds (or is stopped then, 503), a
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import socket
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from typing import Any
 from autotune.errors import CliError
 from autotune.serving.limits import Limits
 
+log = logging.getLogger("autotune.serve")
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
 GRACE_S = 20.0  # SIGTERM: how long the running request may take to finish (under Kubernetes' 30 s)
 MAX_BATCH = 16  # the default --max-batch where memory allows it
@@ -105,6 +107,8 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
+    if cfg.compile:  # compile while /health says loading, not inside the first requests
+        log.info("compiled decode steps built in %.1f s", worker.warm_up(book.strategies()))
     if max_batch > 1:
         worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)

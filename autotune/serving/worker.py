@@ -31,12 +31,12 @@ import torch
 
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder, verify_backend
-from runtime.transformer import BatchPart, CausalLM
+from runtime.transformer import CausalLM
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
 
@@ -453,30 +453,29 @@ class DecodeWorker:
             if per_token is None:
                 per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
             candidates.append(Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
-                                        s.draft_length if s.speculates else 0, per_token, _rows_of(s)))
+                                        s.draft_length if s.speculates else 0, per_token, strategy_rows(s)))
         for r, k in zip(batch, choose_lengths(candidates, self.step_cost, self.max_batch_rows)):
             r.member.decoder.step_cap = k
 
-    def profile_steps(self, context: int = 256) -> None:
-        """Time batched target forwards at a few (rows, sequences) over ``context``-token caches:
-        the step cost's start-up profile (the real steps refine it)."""
+    def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
+        """Decode a short dummy prompt with each servable strategy (``serve --compile``: the
+        compiled steps of the first cache-size bucket are built now, while ``/health`` says
+        loading, not inside a request) -> seconds spent."""
+        started = time.perf_counter()
+        prompt = list(range(1, 9))
+        for strategy in dict.fromkeys([PLAIN, *strategies]):
+            if self.servable(strategy) is None:
+                self.decoder(strategy).generate(prompt, GenerationConfig(max_new_tokens=tokens))
+        return time.perf_counter() - started
+
+    def profile_steps(self) -> None:
+        """Time batched target forwards at a few (rows, sequences): the step cost's start-up
+        profile (the real steps refine it)."""
+        from autotune.measure.steps import choose_wide_rows, step_shapes, time_steps
+
         lm = self.batch_target()
-        shapes = sorted({(b * k, b) for b in (1, 2, 4, 8, 16) if b <= self.max_batch for k in (1, 4)})
-        profile = []
-        with torch.inference_mode():
-            for rows, seqs in shapes:
-                caches = [lm.new_cache(context + rows) for _ in range(seqs)]
-                parts = []
-                for cache in caches:
-                    cache.length = context  # attention over a full context costs the same on zeros
-                    parts.append(BatchPart(torch.zeros(rows // seqs, dtype=torch.long, device=lm.device), cache))
-                lm.forward_batch(parts)  # warm
-                for cache in caches:
-                    cache.length = context
-                started = time.perf_counter()
-                lm.forward_batch(parts)
-                profile.append((rows, seqs, time.perf_counter() - started))
-        self.step_cost = StepCost(profile)
+        choose_wide_rows(lm, self.max_batch)
+        self.step_cost = StepCost(time_steps(lm, step_shapes(self.max_batch)))
 
     def _leave(self, r: Running) -> None:
         """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
@@ -557,27 +556,11 @@ class DecodeWorker:
             job.emit("delta", text)
 
 
-def _rows_of(strategy: Strategy) -> Callable[[int], int]:
-    """Target rows of ``strategy``'s draft cut to length ``k`` (a tree: its nodes to depth k)."""
-    widths = strategy.tree_widths
-    if not strategy.speculates or not widths:
-        return lambda k: 1 + k
-
-    def rows(k: int) -> int:
-        total, level = 1, 1
-        for w in widths[:k]:
-            level *= w
-            total += level
-        return total
-
-    return rows
-
-
 def _fit_rows(strategy: Strategy, max_rows: int | None) -> int | None:
     """The longest draft of ``strategy`` whose verify fits ``max_rows`` rows (None: no cap needed)."""
     if max_rows is None or not strategy.speculates:
         return None
-    rows = _rows_of(strategy)
+    rows = strategy_rows(strategy)
     k = strategy.draft_length
     while k > 0 and rows(k) > max_rows:
         k -= 1

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from search_spaces.strategy import Strategy
+
 STEPS_KEPT = 256  # real steps the step cost is fitted on (with the start-up profile)
 PRIOR_DRAFTS = 8  # pseudo-drafts of the route's acceptance before a sequence's own rounds count
 DEFAULT_ACCEPTANCE = 0.6  # a sequence of a route that stored no acceptance
@@ -31,6 +33,23 @@ class Candidate:
     max_length: int  # its strategy's draft length (0: plain decoding)
     draft_token_s: float  # seconds to draft one token (0 for prompt lookup)
     rows: Callable[[int], int] = lambda k: 1 + k  # target rows of a draft of length k (a tree has more)
+
+
+def strategy_rows(strategy: Strategy) -> Callable[[int], int]:
+    """Target rows of ``strategy``'s draft cut to length ``k``: ``1 + k`` for a chain, a tree's
+    nodes down to depth ``k`` plus one."""
+    widths = strategy.tree_widths
+    if not strategy.speculates or not widths:
+        return lambda k: 1 + k
+
+    def rows(k: int) -> int:
+        total, level = 1, 1
+        for w in widths[:k]:
+            level *= w
+            total += level
+        return total
+
+    return rows
 
 
 def expected_tokens(acceptance: float, length: int) -> float:
@@ -104,3 +123,29 @@ def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: in
         if value <= best:
             return lengths
         best, lengths[i] = value, lengths[i] + 1
+
+
+SCHEDULE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a vLLM schedule is derived at
+
+
+def batch_schedule(acceptance: float, max_length: int, cost: StepCost, draft_step_s: Callable[[int], float],
+                   rows: Callable[[int], int] = lambda k: 1 + k,
+                   batches: Sequence[int] = SCHEDULE_BATCHES) -> dict[str, int]:
+    """vLLM's ``num_speculative_tokens_per_batch_size``: the draft length :func:`choose_lengths`
+    gives a batch of ``b`` like sequences, as inclusive batch-size ranges (``{"1-3": 4, ...}``;
+    the last range covers the largest batch measured, and vLLM carries it on to larger ones).
+    ``draft_step_s(b)``: one draft depth for ``b`` sequences (drafted together)."""
+    chosen = []
+    for b in batches:
+        per_token = draft_step_s(b) / b  # each sequence's share of a depth drafted for the batch
+        ks = choose_lengths([Candidate(acceptance, max_length, per_token, rows)] * b, cost)
+        chosen.append((b, round(sum(ks) / len(ks))))
+    schedule: dict[str, int] = {}
+    start = 1
+    for i, (b, k) in enumerate(chosen):
+        last = i + 1 == len(chosen)
+        if last or chosen[i + 1][1] != k:
+            end = b if last else chosen[i + 1][0] - 1
+            schedule[f"{start}-{end}"] = k
+            start = end + 1
+    return schedule

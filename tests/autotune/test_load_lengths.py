@@ -62,3 +62,16 @@ def test_a_row_budget_caps_the_step():
     capped = choose_lengths(seqs, cost, max_rows=12)
     assert sum(1 + k for k in capped) == 12 and max(capped) - min(capped) <= 1
     assert choose_lengths(seqs, cost, max_rows=4) == [0, 0, 0, 0]
+
+
+def test_batch_schedule_is_vllm_ranges_that_shrink_with_the_batch():
+    from autotune.tuning.load import batch_schedule
+
+    cost = _cpu_like()
+    schedule = batch_schedule(0.8, 8, cost, draft_step_s=lambda b: 0.01 + 0.0005 * b)
+    ranges = [tuple(map(int, key.split("-"))) for key in schedule]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 64
+    assert all(hi + 1 == lo for (_, hi), (lo, _) in zip(ranges, ranges[1:]))  # contiguous, inclusive
+    ks = list(schedule.values())
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] and ks[0] <= 8
+    assert len(set(ks)) == len(ks)  # equal neighbours merged

@@ -203,3 +203,25 @@ def test_runtime_rejects_a_plan_for_another_depth(tiny_llama):
     target = LoadedModel(name="tiny", model_id="tiny", revision="0", hf_model=tiny_llama, tokenizer=None)
     with pytest.raises(RuntimeUserError, match="30 layers"):
         build_decoder(ModelPool(), target, STORED["selfskip"][2], None)
+
+
+def test_vllm_export_with_a_batch_schedule_measured_here(tmp_path, capsys):
+    """A stored draft-model chain for SmolLM2 on this machine: the export times steps with random
+    weights and adds vLLM's schedule; another machine's strategy is refused."""
+    from autotune.cli.main import main
+    from autotune.store.records import ResultMetrics
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    chain = Strategy(draft_length=4, draft_precision="int8")
+    with open_storage(url) as storage:
+        here = storage.record(stored_key("smollm2-135m", "t"), chain, ResultMetrics.from_throughput(10.0, acceptance=0.7))
+        there = storage.record(StrategyKey(STORED_MODEL, "b179c9523d0e", "smollm2-135m", "t", "another machine"),
+                               chain, ResultMetrics.from_throughput(10.0, acceptance=0.7))
+        ids = {b.history_id: b.id for b in storage.list_best()}
+    assert main(["strategies", "export", str(ids[here]), "--format", "vllm", "--batch-schedule", "--storage", url]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    schedule = payload["num_speculative_tokens_per_batch_size"]
+    assert payload["num_speculative_tokens"] == 4 and list(schedule)[0].startswith("1-")
+    assert all(0 <= k <= 4 for k in schedule.values())
+    assert main(["strategies", "export", str(ids[there]), "--format", "vllm", "--batch-schedule", "--storage", url]) == 2
+    assert "only transfers to the hardware" in capsys.readouterr().err

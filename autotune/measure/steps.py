@@ -1,0 +1,101 @@
+"""Timed batched forwards: what a decode step of ``rows`` target rows over ``seqs`` sequences costs
+on this machine (``CausalLM.forward_batch`` over caches holding ``context`` tokens), the start-up
+profile of the serving worker's step cost and of the vLLM batch schedule
+(``autotune.tuning.load``)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from runtime.linear import WIDE_ROWS
+from runtime.transformer import BatchPart, CausalLM
+
+PROFILE_CONTEXT = 256  # tokens each profiled sequence holds (attention over zeros costs the same)
+
+
+def step_shapes(max_batch: int, lengths: Sequence[int] = (0, 4)) -> list[tuple[int, int]]:
+    """(rows, sequences) to time: batch sizes 1, 2, 4, ... up to ``max_batch``, each with every
+    sequence verifying ``1 + k`` rows for each draft length ``k`` of ``lengths``."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch] or [1]
+    return sorted({(b * (1 + k), b) for b in sizes for k in lengths})
+
+
+def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = PROFILE_CONTEXT,
+               repeats: int = 1) -> list[tuple[int, int, float]]:
+    """-> (rows, sequences, seconds) per shape: the best of ``repeats`` timed forwards after one
+    untimed (warm) forward."""
+    out = []
+    with torch.inference_mode():
+        for rows, seqs in shapes:
+            per = [rows // seqs + (1 if i < rows % seqs else 0) for i in range(seqs)]
+            caches = [lm.new_cache(context + n) for n in per]
+            parts = [BatchPart(torch.zeros(n, dtype=torch.long, device=lm.device), c) for n, c in zip(per, caches)]
+            best = float("inf")
+            for attempt in range(repeats + 1):
+                for cache in caches:
+                    cache.length = context
+                started = time.perf_counter()
+                lm.forward_batch(parts)
+                if attempt:
+                    best = min(best, time.perf_counter() - started)
+            out.append((rows, seqs, best))
+    return out
+
+
+def choose_wide_rows(lm: CausalLM, max_batch: int) -> dict[str, float]:
+    """Time a batched step of more rows than ``lm``'s packed width both ways
+    (``runtime.linear.run_rows``: chunks of the width, or one dense GEMM) and keep the faster in
+    ``lm.wide_rows`` -> seconds by way (empty when no step can be wider than the width)."""
+    width = getattr(lm.linears[0]["q"], "width", 1) if lm.backend == "mkl-packed" else 1
+    rows = min(max_batch, 2 * width) if width > 1 else 0
+    if rows <= width:
+        return {}
+    timed = {}
+    for way in WIDE_ROWS:
+        lm.wide_rows = way
+        timed[way] = time_steps(lm, [(rows, rows)], repeats=2)[0][2]
+    lm.wide_rows = min(timed, key=timed.__getitem__)
+    return timed
+
+
+def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
+    """The batch schedule of a stored strategy (``autotune.tuning.load.batch_schedule``), from
+    step costs timed now, on this machine, with random weights of the stored model's shape (the
+    stored acceptance; a draft model's depth timed at each batch size, prompt lookup free). It
+    only transfers to the hardware the strategy was tuned on, so any other machine is refused."""
+    from autotune.errors import CliError
+    from autotune.store.hardware import hardware_fingerprint
+    from autotune.tuning.load import DEFAULT_ACCEPTANCE, SCHEDULE_BATCHES, StepCost, batch_schedule, strategy_rows
+    from runtime.pipeline import ModelPool, verify_backend
+    from runtime.precision import draft_precision
+
+    key, strategy = stored.key, stored.strategy  # type: ignore[attr-defined]
+    here = hardware_fingerprint(device)
+    if key.hardware != here:
+        raise CliError(f"strategy {stored.id} was tuned on '{key.hardware}' and this machine is '{here}': a batch "  # type: ignore[attr-defined]
+                       "schedule only transfers to the hardware it was measured on; export it there")
+    if not strategy.speculates:
+        raise CliError(f"strategy {stored.id} is plain decoding: there is no draft length to schedule")  # type: ignore[attr-defined]
+    name, _, rest = key.model_id.partition("@")
+    precision = rest.partition("#")[2] or "float32"
+    pool = ModelPool(device=device, random_weights=True)
+    target = pool.get(name, precision)
+    lm = pool.served(target)
+    width = strategy.max_tree_nodes + 1
+    backend = verify_backend(device)
+    if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32:
+        lm = pool.target_for_width(target, backend, width)
+    biggest = max(SCHEDULE_BATCHES)
+    choose_wide_rows(lm, biggest)
+    cost = StepCost(time_steps(lm, step_shapes(biggest, (0, strategy.draft_length))))
+    if strategy.drafter == "draft-model":
+        prec = draft_precision(strategy.draft_precision, device)
+        draft = pool.draft_wrapper(pool.get(key.draft_id, prec.name), prec.backend, strategy.draft_vocab, lm.dims.vocab)
+        timed = {s: t for _, s, t in time_steps(draft, [(b, b) for b in SCHEDULE_BATCHES])}
+        draft_step = timed.__getitem__
+    else:  # prompt lookup: host-side copies (what vLLM exports besides a draft model)
+        draft_step = lambda b: 0.0  # noqa: E731
+    acceptance = stored.acceptance if stored.acceptance is not None else DEFAULT_ACCEPTANCE  # type: ignore[attr-defined]
+    return batch_schedule(acceptance, strategy.draft_length, cost, draft_step, strategy_rows(strategy))
