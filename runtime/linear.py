@@ -47,31 +47,44 @@ class MklPackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.width)
 
 
-def run_rows(lin: Linear, x: torch.Tensor, wide: str = "chunks") -> torch.Tensor:
+def run_rows(lin: Linear, x: torch.Tensor, way: str = "packed") -> torch.Tensor:
     """``lin`` over ``x`` ``[R, in]``, the rows of several sequences (a batched step). A packed
-    fp32 GEMM runs up to its width in one call of exactly its width (padded): its rows are then
-    computed as a verify pass computes them, whoever shares the call (a call's row count changes
-    MKL's kernel, and with it a row's last ulp; inside a call of fixed width a row's result does
-    not depend on the other rows). More rows than its width run as ``wide`` says: ``chunks`` of
-    its width (verify rows stay bit-identical to a solo verify), or ``dense``: one ``F.linear``
-    with the rows padded to a multiple of ``DENSE_ROWS`` (cheaper where MKL's wide GEMM reads
-    the weights once; the serving worker times both and keeps the faster). Single rows and the
-    other backends run as they are."""
+    fp32 GEMM runs them as ``way`` says:
+
+    - ``packed``: in calls of exactly its width (the last padded). Its rows are then computed as a
+      verify pass computes them, whoever shares the call: a call's row count changes MKL's kernel,
+      and with it a row's last ulp, but inside a call of fixed width a row's result does not
+      depend on the other rows.
+    - ``dense``: one ``F.linear``, two rows as they are, more padded to a multiple of
+      ``DENSE_ROWS``. MKL's fp32 GEMM costs a single row's time for two rows and reads the weights
+      once from 16 rows on, but much more per row in between (measured on this machine's Xeon).
+
+    The serving worker times both ways at several row counts and picks per count
+    (``CausalLM.row_ways``). Single rows and the other backends run as they are."""
     rows = x.shape[0]
     if not isinstance(lin, MklPackedLinear) or rows in (1, lin.width):
         return lin(x)
-    w = lin.width
-    if rows > w and wide == "dense":
-        pad = -rows % DENSE_ROWS
+    if way == "dense":
+        pad = 0 if rows <= 2 else -rows % DENSE_ROWS
         xs = torch.cat([x, x[-1:].expand(pad, -1)]) if pad else x
         return F.linear(xs, lin.weight, lin.bias)[:rows]
+    w = lin.width
     pad = -rows % w
     xs = torch.cat([x, x[-1:].expand(pad, -1)]) if pad else x
     return torch.cat([lin(chunk) for chunk in xs.split(w)])[:rows]
 
 
-WIDE_ROWS = ("chunks", "dense")  # how a packed GEMM runs more rows than its width (run_rows)
-DENSE_ROWS = 16  # MKL's fp32 GEMM costs about the same from 16 rows to 32 on CPU (measured), more below
+ROW_WAYS = ("packed", "dense")  # how a packed GEMM runs a batched step's rows (run_rows)
+DENSE_ROWS = 16
+
+
+def row_way(ways: dict[int, str], rows: int) -> str:
+    """The way chosen for the smallest timed row count >= ``rows`` (the largest timed beyond
+    them; ``packed`` when nothing was timed)."""
+    if not ways:
+        return "packed"
+    fits = [r for r in ways if r >= rows]
+    return ways[min(fits)] if fits else ways[max(ways)]
 
 
 def mkl_packing_available() -> bool:

@@ -22,7 +22,7 @@ from runtime.compiled import bucketed, compile_step, note_step, run_step, step_k
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear
+from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear, row_way
 from runtime.linear import run_rows as run_linear_rows
 from search_spaces.layer_plan import LayerPlan
 
@@ -110,7 +110,7 @@ class CausalLM:
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
-        self.wide_rows = "chunks"  # how a batched step runs more rows than the packed width (runtime.linear.run_rows)
+        self.row_ways: dict[int, str] = {}  # rows -> how a batched step runs them (runtime.linear.run_rows)
         self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
         self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
@@ -296,7 +296,7 @@ class CausalLM:
         own mask (causal, or its tree's ``rel_mask`` with its ``positions``), exactly as
         :meth:`forward` would run it alone; the projections, the MLPs and the head run over all
         parts' rows at once (``runtime.linear.run_rows``: a packed fp32 GEMM in calls of its
-        packed width, or past it as ``wide_rows`` says). Eager, with every cache's whole capacity as keys (no plans, no recorder)."""
+        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole capacity as keys (no plans, no recorder)."""
         sizes = [int(p.tokens.shape[0]) for p in parts]
         inputs = []
         for p, t in zip(parts, sizes):
@@ -310,8 +310,10 @@ class CausalLM:
             inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None))
         h = self.embed(torch.cat([p.tokens for p in parts]))  # [R, H]
 
+        way = row_way(self.row_ways, sum(sizes))
+
         def run_rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-            return run_linear_rows(lin, x, self.wide_rows)
+            return run_linear_rows(lin, x, way)
 
         for li, layer in enumerate(self.layers):
             lin = self.linears[li]

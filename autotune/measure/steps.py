@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.linear import WIDE_ROWS
+from runtime.linear import ROW_WAYS
 from runtime.transformer import BatchPart, CausalLM
 
 PROFILE_CONTEXT = 256  # tokens each profiled sequence holds (attention over zeros costs the same)
@@ -44,19 +44,21 @@ def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = P
     return out
 
 
-def choose_wide_rows(lm: CausalLM, max_batch: int) -> dict[str, float]:
-    """Time a batched step of more rows than ``lm``'s packed width both ways
-    (``runtime.linear.run_rows``: chunks of the width, or one dense GEMM) and keep the faster in
-    ``lm.wide_rows`` -> seconds by way (empty when no step can be wider than the width)."""
-    width = getattr(lm.linears[0]["q"], "width", 1) if lm.backend == "mkl-packed" else 1
-    rows = min(max_batch, 2 * width) if width > 1 else 0
-    if rows <= width:
+def choose_row_ways(lm: CausalLM, max_rows: int) -> dict[int, dict[str, float]]:
+    """Time batched steps of 2, 3, 4, ... up to ``max_rows`` rows both ways
+    (``runtime.linear.run_rows``) and keep the faster per row count in ``lm.row_ways`` -> seconds
+    by row count and way (empty for a model without a packed GEMM)."""
+    if lm.backend != "mkl-packed":
         return {}
-    timed = {}
-    for way in WIDE_ROWS:
-        lm.wide_rows = way
-        timed[way] = time_steps(lm, [(rows, rows)], repeats=2)[0][2]
-    lm.wide_rows = min(timed, key=timed.__getitem__)
+    width = lm.linears[0]["q"].width
+    counts = sorted({r for r in (2, 3, 4, 8, width, width + 1, 16, 24, 32, 48, 64) if 2 <= r <= max_rows})
+    timed: dict[int, dict[str, float]] = {}
+    for rows in counts:
+        timed[rows] = {}
+        for way in ROW_WAYS:
+            lm.row_ways = {rows: way}
+            timed[rows][way] = time_steps(lm, [(rows, min(rows, 16))], repeats=1)[0][2]
+    lm.row_ways = {rows: min(t, key=t.__getitem__) for rows, t in timed.items()}
     return timed
 
 
@@ -88,7 +90,7 @@ def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
     if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32:
         lm = pool.target_for_width(target, backend, width)
     biggest = max(SCHEDULE_BATCHES)
-    choose_wide_rows(lm, biggest)
+    choose_row_ways(lm, biggest * (1 + strategy.draft_length))
     cost = StepCost(time_steps(lm, step_shapes(biggest, (0, strategy.draft_length))))
     if strategy.drafter == "draft-model":
         prec = draft_precision(strategy.draft_precision, device)

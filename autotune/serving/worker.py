@@ -471,10 +471,12 @@ class DecodeWorker:
     def profile_steps(self) -> None:
         """Time batched target forwards at a few (rows, sequences): the step cost's start-up
         profile (the real steps refine it)."""
-        from autotune.measure.steps import choose_wide_rows, step_shapes, time_steps
+        from autotune.measure.steps import choose_row_ways, step_shapes, time_steps
 
         lm = self.batch_target()
-        choose_wide_rows(lm, self.max_batch)
+        ways = choose_row_ways(lm, self.max_batch_rows or self.max_batch * self.verify_width)
+        if ways:
+            log.info("batched rows run %s", ", ".join(f"{r}: {lm.row_ways[r]}" for r in sorted(ways)))
         self.step_cost = StepCost(time_steps(lm, step_shapes(self.max_batch)))
 
     def _leave(self, r: Running) -> None:

@@ -11,7 +11,7 @@ import torch
 from runtime.batching import BatchRequest, Member, batch_round, generate_batch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
-from runtime.linear import MklPackedLinear, mkl_packing_available, run_rows
+from runtime.linear import MklPackedLinear, mkl_packing_available, row_way, run_rows
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
 from runtime.testing import noisy_copy, tiny_model
@@ -144,15 +144,19 @@ def test_a_batched_step_reads_the_device_at_most_twice(sampling):
 
 
 @pytest.mark.skipif(not mkl_packing_available(), reason="this torch build has no MKL packed GEMM")
-def test_rows_past_the_packed_width_run_in_chunks_or_one_dense_gemm():
-    """Chunks keep every row bit-identical to a call of exactly the packed width (a solo verify);
-    the dense way computes the same product (to rounding)."""
+def test_batched_rows_run_in_packed_calls_or_one_dense_gemm():
+    """Packed calls keep every row bit-identical to a call of exactly the packed width (a solo
+    verify); the dense way computes the same product (to rounding); the way timed for the nearest
+    row count at or above is used."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 64), torch.randn(19, 64)
     lin = MklPackedLinear(weight, None, 8)
-    chunks, dense = run_rows(lin, x, "chunks"), run_rows(lin, x, "dense")
+    chunks, dense = run_rows(lin, x, "packed"), run_rows(lin, x, "dense")
     for i in range(19):
         alone = lin(torch.cat([x[i : i + 1], torch.zeros(7, 64)]))[0]  # the row in a call of width 8
         assert torch.equal(chunks[i], alone)
     torch.testing.assert_close(dense, x @ weight.T, rtol=1e-5, atol=1e-5)
     assert run_rows(lin, x[:1], "dense").shape == (1, 96) and run_rows(lin, x[:5], "dense").shape == (5, 96)
+    ways = {2: "dense", 8: "packed", 16: "dense"}
+    assert [row_way(ways, r) for r in (2, 3, 8, 9, 16, 40)] == ["dense", "packed", "packed", "dense", "dense", "dense"]
+    assert row_way({}, 5) == "packed"
