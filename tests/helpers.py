@@ -10,6 +10,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
 
 from autotune.store.hardware import hardware_fingerprint
 from autotune.store.records import StrategyKey
@@ -166,3 +171,34 @@ def metric(url: str, name: str) -> float:
 
     lines = httpx.get(f"{url}/metrics").text.splitlines()
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith((name + "{", name + " ")))
+
+
+# ---------------------------------------------------------------------- host reads (tests/runtime)
+CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # device -> Python
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.on = False
+        self.reads = 0
+
+
+@contextmanager
+def counting(counter: Counter) -> Iterator[None]:
+    originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if counter.on:
+                counter.reads += 1
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, counted(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)

@@ -111,7 +111,7 @@ def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
     assert slot == 2 * 30 * 3 * 64 * 4 * 8192  # SmolLM2: 30 layers, 3 KV heads of 64
     with pytest.raises(CliError, match="--max-batch 64 x a 8192-token context needs"):
         batch_size(64, slot, 8192, free=2 * 2**30)
-    assert batch_size(None, slot, 8192, free=2 * 2**30) == 4  # 80% of 2 GiB / 377 MiB
+    assert batch_size(None, slot, 8192, free=2 * 2**30) == 4  # 80% of 2 GiB / 360 MiB
     assert batch_size(None, slot, 8192, free=None) == 16
     assert batch_size(None, 1, 8192, free=2**40) == 16
 
@@ -135,3 +135,18 @@ def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
     path.write_text(json.dumps({"points": [p.as_dict() for p in points]}))
     assert read_points(path) == points
     assert load_plot(points, tmp_path / "load.png").stat().st_size > 0
+
+
+def test_a_request_past_max_context_gets_a_400(pool, smollm, tmp_path):
+    import httpx
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    storage = open_storage(url)
+    server = build_server(ServeConfig(model=MODEL, storage=url, max_batch=2, max_context=64), storage, pool=pool)
+    with LiveServer(server) as running:
+        body = {"model": MODEL, "prompt": "one two three four five six seven eight", "max_tokens": 60}
+        r = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "64 tokens" in r.json()["error"]["message"]
+        assert httpx.post(f"{running.url}/v1/completions", json={**body, "max_tokens": 8}, timeout=60).status_code == 200
+    storage.close()

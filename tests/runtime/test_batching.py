@@ -18,7 +18,7 @@ from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
 
-from tests.runtime.test_host_reads import Counter, counting
+from tests.helpers import Counter, counting
 
 PROMPTS = [
     [5, 17, 3, 88, 42, 7, 9, 61, 5, 17, 3],

@@ -7,8 +7,7 @@ from the first round to the end of decoding (the prefill's first-token pick is o
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,36 +21,10 @@ from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
 
-CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+from tests.helpers import Counter, counting
+
 PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 5, 17, 3]
 MAX_READS_PER_ROUND = 2
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.on = False
-        self.reads = 0
-
-
-@contextmanager
-def counting(counter: Counter) -> Iterator[None]:
-    originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
-
-    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if counter.on:
-                counter.reads += 1
-            return fn(self, *args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(torch.Tensor, name, counted(fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def _target() -> CausalLM:
