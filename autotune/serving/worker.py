@@ -318,6 +318,7 @@ class DecodeWorker:
 
     def release(self, strategy: Strategy, dec: Decoder) -> None:
         self._in_use.discard(id(dec))
+        dec.step_cap = None  # a batch's length for its last request is not the next one's
         if self.decoders.get(strategy) is not dec:
             spare = self._spare.setdefault(strategy, [])
             if len(spare) < self.max_batch and strategy in self.decoders:

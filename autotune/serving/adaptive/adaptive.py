@@ -169,19 +169,6 @@ class Adapter:
             self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
         self._publish()
 
-    def generate(self, job: Any, after_round: Callable) -> GenerationResult:
-        """Route and decode ``job`` alone (``begin``, then its re-tune or its strategy, then ``decoded``)."""
-        retune = self.begin(job)
-        if retune is not None:
-            return self.generate_retune(job, retune, after_round)
-        try:
-            result = self.worker.decoder(job.choice.strategy).generate(job.ids, job.cfg, after_round=after_round)
-        except BaseException:
-            self._publish()
-            raise
-        self.decoded(job, result)
-        return result
-
     def after_answer(self, skip: bool = False) -> None:
         """Work a request left for after its answer (a re-tune's lossless check and store write);
         ``skip`` (the server is draining): none, its answer goes out at once."""
