@@ -275,13 +275,6 @@ class Decoder:
         tables = tree_tables(tree, dev, extra)
         return VerifyRows(ids, n, cache.length, tree, tables.offsets + cache.length, tables.block)
 
-    def verify(
-        self, cur: int, draft: Draft, cache: KVCache, tree: CompiledTree | None = None
-    ) -> torch.Tensor:
-        """One target forward over ``cur`` + the draft -> logits ``[1 + N, V]`` (float32)."""
-        rows = self.rows(cur, draft, cache)
-        return self.target(rows.ids, cache, positions=rows.positions, rel_mask=rows.rel_mask)[: rows.n].float()
-
     def accept(
         self, rows: VerifyRows, logits: torch.Tensor, draft: Draft, cache: KVCache, params: SamplingParams,
         gen: torch.Generator,

@@ -94,7 +94,9 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     book.refresh()
     context = min(cfg.max_context or target.hf_model.config.max_position_embeddings,
                   target.hf_model.config.max_position_embeddings)
-    max_batch = batch_size(cfg.max_batch, kv_bytes_per_slot(target.hf_model.config, context), context, available_memory())
+    element = target.hf_model.lm_head.weight.element_size()  # the caches' dtype is the model's (CausalLM.new_cache)
+    max_batch = batch_size(cfg.max_batch, kv_bytes_per_slot(target.hf_model.config, context, element), context,
+                           available_memory())
     worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
         job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance),
         max_batch=max_batch, on_step=metrics.observe_step, max_batch_rows=cfg.max_batch_rows)
@@ -114,11 +116,12 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)
 
 
-def kv_bytes_per_slot(config: Any, context: int) -> int:
-    """KV cache bytes one request of ``context`` tokens holds (keys and values, every layer)."""
+def kv_bytes_per_slot(config: Any, context: int, element_bytes: int = 4) -> int:
+    """KV cache bytes one request of ``context`` tokens holds (keys and values, every layer), its
+    caches in the model's float dtype (``element_bytes``: 4 for float32)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * 4 * context  # float32 caches
+    return 2 * config.num_hidden_layers * heads * head_dim * element_bytes * context
 
 
 def available_memory() -> int | None:
