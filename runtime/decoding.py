@@ -119,8 +119,11 @@ class Decoder:
         self.kind = kind if drafter is not None else None  # the active drafter's kind (None: unnamed / plain)
         self.standby: dict[str, Drafter] = {}
         self.draft_length = draft_length if drafter is not None else 0
-        # the verify pass is padded to this many rows (a fixed GEMM width is cheap on CPU)
+        # the widest verify pass; it is padded to this many rows where ``pads`` (a target packed for
+        # that width, or compiled for static shapes); otherwise it runs the drafted rows only, since
+        # a quantised target's verify costs grow with every row
         self.verify_width = max(verify_width, self.draft_length + 1) if drafter is not None else 1
+        self.pads = True
         self.last_rows = 0  # target rows of the last round's verify pass (1 + drafted; padding not counted)
         self.step_cap: int | None = None  # drafts at most this many tokens next round (None: its strategy's length)
 
@@ -257,15 +260,16 @@ class Decoder:
         return self._pick(logits[0], params, gen)
 
     def rows(
-        self, cur: int, draft: Draft, cache: KVCache, pad: bool = True, as_tree: bool | None = None
+        self, cur: int, draft: Draft, cache: KVCache, pad: bool | None = None, as_tree: bool | None = None
     ) -> VerifyRows:
         """The target rows verifying ``draft``: ``cur`` + the draft tokens, with a tree's depth
-        positions and mask block (``as_tree``: default, unless the draft is a chain). ``pad``:
-        padded to the fixed verify width (static shapes; cheap packed GEMMs on CPU); padding rows
-        see only the prefix and themselves and are dropped."""
+        positions and mask block (``as_tree``: default, unless the draft is a chain). ``pad``
+        (default: the decoder's ``pads``): padded to the fixed verify width (static shapes; cheap
+        packed GEMMs on CPU); padding rows see only the prefix and themselves and are dropped."""
         dev = self.target.device
         n = 1 + int(draft.tokens.numel())
         ids = torch.cat([torch.tensor([cur], device=dev), draft.tokens.to(dev)])
+        pad = self.pads if pad is None else pad
         extra = max(0, self.verify_width - n) if n > 1 and pad else 0  # nothing drafted: a single-row step
         ids = torch.cat([ids, ids[-1:].expand(extra)])
         if not (as_tree if as_tree is not None else not draft.is_chain):

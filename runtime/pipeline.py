@@ -175,9 +175,11 @@ def build_decoder(
     waiting = {s.drafter: s for s in standby if s.speculates and s.drafter != first.drafter}
     others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
     backend = verify_backend(pool.device)
-    if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32 and not pool.compile:
+    packed = backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32 and not pool.compile
+    if packed:
         lm = pool.target_for_width(target, backend, width)
     decoder = Decoder(_compiled(lm, pool), active, first.draft_length, verify_width=width, kind=first.drafter)
+    decoder.pads = packed or pool.compile  # otherwise a verify runs its drafted rows only
     decoder.standby.update(others)
     if drafter is None:  # plain decoding first, the others on standby
         decoder.apply(strategy)

@@ -3,6 +3,7 @@ study's summary (and with --plot, its plots)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     report = _run_study(args, space, settings)
     print(format_study(report))
     if report.refused:  # one line on stderr: the lossless check failed and nothing lossy was kept
-        print(f"autotune: refused to store the tuned strategy: its output differed from plain decoding on "
-              f"the check prompts; kept plain decoding for {args.model} / {args.task}", file=sys.stderr)
+        print(f"autotune: refused to store a tuned strategy: its output differed from plain decoding on "
+              f"the prompts checked; kept plain decoding for {args.model} / {args.task}", file=sys.stderr)
     if args.json_out:
         from autotune.measure.bench import write_report
 
@@ -124,19 +125,20 @@ def format_study(report: Any) -> str:
     plain_pred = t.get("plain_predicted_tps")
     stored = report.stored_reason
     rows = [
-        ("best strategy", report.best.to_json()),
+        ("best strategy", f"{report.best.to_json()} (the tuner's incumbent, tuned on {report.tuned_prompts} prompt(s))"),
         ("uniform (start)", report.uniform.to_json()),
         ("trials", f"{t['trials']} ({t['stop_reason']})"),
         ("best matchness", f"{t['best_matchness']:.3f}"),
-        ("predicted tok/s", f"{t['best_predicted_tps']:.2f}" + (f" (plain {plain_pred:.2f})" if plain_pred else "")),
-        ("measured tok/s", f"{report.best_tps:.2f} (plain {report.plain_tps:.2f}, same prompts, same run)"),
-        ("speedup vs plain", f"{report.speedup:.2f}x, outputs {'identical' if report.identical else 'DIFFERENT'}"),
+        ("predicted tok/s", f"{t['best_predicted_tps']:.2f}" + (f" (plain {plain_pred:.2f})" if plain_pred else "")
+         + _in_sample_text(report)),
+        ("held-out speedup", _held_out_text(report)),
+        ("candidates", _candidates_text(report)),
         ("predicted / measured", _ratio_text(t.get("stored") or {})),
         ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
                          f"({t['trials']} trials, {t.get('measured_trials', 0)} measured; "
                          f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
         ("while tuning", _while_tuning_text(report)),
-        ("stored", f"{stored} in {report.storage_url} (history row {report.history_id})"),
+        ("stored", f"{report.chosen.to_json()}: {stored} in {report.storage_url} (history row {report.history_id})"),
         ("precision", _precision_text(report.extra.get("precision"))),
     ]
     for k, v in rows:
@@ -145,6 +147,39 @@ def format_study(report: Any) -> str:
     with console.capture() as cap:
         console.print(table)
     return cap.get()
+
+
+def _in_sample_text(report: Any) -> str:
+    ins = report.in_sample_speedup
+    return f"; {ins:.2f}x plain in-sample (predicted on the prompts it tuned on)" if ins else ""
+
+
+def _held_out_text(report: Any) -> str:
+    """The stored strategy's speed-up over plain decoding on prompts the tuner never saw, and how
+    much that check is worth."""
+    v = report.verdict
+    n = len(v.plain.runs)
+    text = (f"{report.speedup:.2f}x ({report.chosen_tps:.2f} tok/s vs plain {report.plain_tps:.2f}, "
+            f"{n} prompt(s), outputs {'identical' if report.identical else 'DIFFERENT'})")
+    if v.in_sample:
+        return text + "; IN-SAMPLE: one prompt, nothing held out of tuning (--limit 2 or more holds prompts out)"
+    if n == 1:
+        return text + "; held out of tuning, but one prompt is a weak check (--limit 10 holds out 3)"
+    return text + "; on prompts held out of tuning"
+
+
+def _candidates_text(report: Any) -> str:
+    """Each candidate of the held-out judgement: its speed-up and its lower bound."""
+    from autotune.tuning.heldout import aggregate_speedup, lower_bound, speedups
+
+    v = report.verdict
+    parts = []
+    for c in v.candidates[1:]:
+        bound = lower_bound(speedups(c, v.plain))
+        shown = f"{math.exp(bound):.2f}x" if bound > -math.inf else "-"
+        parts.append(f"{c.label} {c.strategy.to_json()}: {aggregate_speedup(c, v.plain):.2f}x "
+                     f"(bound {shown}{'' if c.identical else ', output DIFFERED'})")
+    return "; ".join(parts) or "none (the tuner kept plain decoding and scored nothing else)"
 
 
 def _precision_text(info: dict[str, Any] | None) -> str:
@@ -177,8 +212,8 @@ def _while_tuning_text(report: Any) -> str:
 
 
 def _ratio_text(stored: dict[str, Any]) -> str:
-    """The stored strategy's corrected prediction against its decode-round speed on the check prompts."""
+    """The stored strategy's corrected prediction against its decode-round speed on the held-out prompts."""
     if not stored.get("ratio"):
         return "-"
     return (f"{stored['ratio']:.2f} (predicted {stored['predicted_tps']:.2f} tok/s, decode rounds measured "
-            f"{stored['decode_tps']:.2f} on the check prompts)")
+            f"{stored['decode_tps']:.2f} on the {stored.get('on', 'held-out prompts')})")

@@ -9,7 +9,11 @@ from the timings the decoder records while it decodes with the incumbent strateg
 - Bonus calibration's exact catch-up over several rows: linear in rows, from 1 and verify-width rows.
 - Verify: the verify rounds seen while decoding; before any, the faster of two timed forwards at
   the fixed width (a first wide forward can take 1.5x a later one, and a single noisy timing
-  would price every draft out of the race: no drafted round would ever correct it).
+  would price every draft out of the race: no drafted round would ever correct it). A decoder
+  that does not pad (``padded=False``: a quantised target, whose verify cost grows with every
+  row) verifies its drafted rows only: a round of ``r`` rows costs the plain step plus
+  ``(r - 1) / (width - 1)`` of the way to the full-width verify (linear in rows; measured rounds
+  of any width rescale it).
 - Plain decoding: one timed single-token target forward, refreshed from plain rounds while decoding.
 """
 from __future__ import annotations
@@ -34,13 +38,13 @@ class CostModel(Protocol):
 
     def catch_up_s(self, rows: float) -> float: ...
 
-    def verify_s(self) -> float: ...
+    def verify_s(self, rows: float | None = None) -> float: ...
 
     def plain_step_s(self) -> float: ...
 
     def observe_draft(self, predicted_s: float, measured_s: float) -> None: ...
 
-    def observe_verify(self, measured_s: float) -> None: ...
+    def observe_verify(self, measured_s: float, rows: float | None = None) -> None: ...
 
     def observe_plain(self, measured_s: float) -> None: ...
 
@@ -89,6 +93,7 @@ class MeasuredCostModel:
     context: int = 256
     repeats: int = 3
     warm: bool = True  # one untimed forward first (a tuner timing models that are already decoding needs none)
+    padded: bool = True  # every verify runs ``verify_width`` rows (else: its drafted rows; ``verify_s``)
     draft_scale: float = 1.0  # measured / predicted, refreshed while decoding
     verify_scale: float = 1.0
     _linear: tuple[float, float, float] | None = None  # base, per attention, per MLP
@@ -160,12 +165,22 @@ class MeasuredCostModel:
         n = self.draft.dims.n_layers
         return (base + (n - len(plan.skip_attn)) * attn + (n - len(plan.skip_mlp)) * mlp) * self.draft_scale
 
-    def verify_s(self) -> float:
-        """A verify round: the mean of those seen while decoding, else the faster of two timed
-        forwards (one-time costs of the first wide forward and noise would make it pessimistic)."""
+    def verify_s(self, rows: float | None = None) -> float:
+        """A verify round (of ``rows`` target rows, 1 + the drafted tokens, where the decoder does
+        not pad; default: the full width): the mean of those seen while decoding, else the faster
+        of two timed forwards (one-time costs of the first wide forward and noise would make it
+        pessimistic)."""
+        return self._verify_rows(rows) * self.verify_scale
+
+    def _verify_rows(self, rows: float | None) -> float:
+        """Unscaled: the full-width verify, or the plain step plus ``rows``' share of the way to it."""
         if self._verify is None:
             self._verify = self._forward_s(self.target, self.verify_width, None, best_of=VERIFY_TIMINGS)
-        return self._verify * self.verify_scale
+        if self.padded or rows is None or self.verify_width <= 1:
+            return self._verify
+        share = min(max(rows - 1.0, 0.0) / (self.verify_width - 1), 1.0)
+        plain = min(self.plain_step_s(), self._verify)
+        return plain + share * (self._verify - plain)
 
     def plain_step_s(self) -> float:
         """One single-token target forward: a round of plain decoding (the bar every strategy must beat)."""
@@ -183,14 +198,15 @@ class MeasuredCostModel:
         if measured_s > 0:
             self._plain = measured_s if self._plain is None else (1 - EMA) * self._plain + EMA * measured_s
 
-    def observe_verify(self, measured_s: float) -> None:
-        """Refresh from a decoded round's verify time (its first one replaces the timed forward)."""
+    def observe_verify(self, measured_s: float, rows: float | None = None) -> None:
+        """Refresh from a decoded round's verify time (its first one replaces the timed forward
+        where verifies are padded; one of ``rows`` rows rescales the row model otherwise)."""
         if measured_s <= 0:
             return
-        if self._verify is None:
+        if self._verify is None and (self.padded or rows is None):
             self._verify, self.verify_scale = measured_s, 1.0
         else:
-            self.verify_scale = (1 - EMA) * self.verify_scale + EMA * measured_s / self._verify
+            self.verify_scale = (1 - EMA) * self.verify_scale + EMA * measured_s / self._verify_rows(rows)
 
 
 @dataclass
@@ -200,6 +216,7 @@ class FixedCostModel:
     draft_full_s: float = 1.0
     verify_const_s: float = 3.0
     catch_up_row_s: float = 0.0  # each further row of an exact catch-up forward
+    verify_row_s: float = 0.0  # each verify row past the first (a decoder that does not pad)
 
     def draft_forward_s(self, plan: LayerPlan | None) -> float:
         if plan is None:
@@ -209,8 +226,8 @@ class FixedCostModel:
     def catch_up_s(self, rows: float) -> float:
         return self.draft_full_s + max(rows - 1.0, 0.0) * self.catch_up_row_s
 
-    def verify_s(self) -> float:
-        return self.verify_const_s
+    def verify_s(self, rows: float | None = None) -> float:
+        return self.verify_const_s + (0.0 if rows is None else max(rows - 1.0, 0.0) * self.verify_row_s)
 
     def plain_step_s(self) -> float:
         return self.verify_const_s
@@ -218,7 +235,7 @@ class FixedCostModel:
     def observe_draft(self, predicted_s: float, measured_s: float) -> None:
         return None
 
-    def observe_verify(self, measured_s: float) -> None:
+    def observe_verify(self, measured_s: float, rows: float | None = None) -> None:
         return None
 
     def observe_plain(self, measured_s: float) -> None:

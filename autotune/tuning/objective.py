@@ -92,13 +92,18 @@ def _draft_s(strategy: Strategy, accepted: float, extra_forwards: float, cost: C
     return first + extra_forwards * step
 
 
+def verify_rows(strategy: Strategy, drafted: float) -> float:
+    """Target rows of a round that drafted ``drafted`` tokens (a chain's) or a tree (all its nodes)."""
+    return 1.0 + (drafted if not strategy.tree_widths else float(strategy.max_tree_nodes))
+
+
 def predict(strategy: Strategy, match: Match, cost: CostModel, horizon: int | None = None) -> Prediction:
-    accepted, _, extra_forwards = replay(strategy, match, horizon)
+    accepted, drafted, extra_forwards = replay(strategy, match, horizon)
     draft_s = _draft_s(strategy, accepted, extra_forwards, cost)
     return Prediction(
         tokens_per_round=accepted + 1.0,
         draft_forwards=1.0 + extra_forwards,
-        seconds_per_round=draft_s + cost.verify_s(),
+        seconds_per_round=draft_s + cost.verify_s(verify_rows(strategy, drafted)),
         draft_seconds=draft_s,
     )
 
@@ -120,21 +125,24 @@ def predict_lookup_first(strategy: Strategy, match: Match, copies: LookupMatch, 
     k = strategy.draft_length
     starts = _starts(w, k, horizon)
     checked = tree_shape(strategy).is_chain  # the drafter's ``checks_copies``
-    tokens = draft = 0.0
-    for (accepted, _, forwards), i in zip(_rounds(strategy, aligned, starts), starts):
+    tokens = draft = verify = 0.0
+    for (accepted, drafted, forwards), i in zip(_rounds(strategy, aligned, starts), starts):
         proposed = copies.proposed[skip_c + i]
         if proposed > 0 and checked:
             rows = min(proposed, k)
             kept = min(copies.accepted[skip_c + i], accepted, rows)
             tokens += accepted + 1.0
             draft += _draft_s(strategy, accepted, forwards - min(kept, forwards), cost, copy_rows=rows)
+            verify += cost.verify_s(verify_rows(strategy, drafted))
         elif proposed > 0:
             tokens += min(copies.accepted[skip_c + i], k) + 1.0
+            verify += cost.verify_s(1.0 + min(proposed, k))
         else:
             tokens += accepted + 1.0
             draft += _draft_s(strategy, accepted, forwards, cost)
+            verify += cost.verify_s(verify_rows(strategy, drafted))
     n = max(len(starts), 1)
-    seconds = draft + n * cost.verify_s()  # every round verifies once
+    seconds = draft + verify  # every round verifies once
     return Prediction(tokens_per_round=tokens / n, draft_forwards=0.0, seconds_per_round=seconds / n,
                       draft_seconds=draft / n)
 
@@ -145,14 +153,38 @@ def predict_plain(cost: CostModel) -> Prediction:
 
 
 def predict_lookup(strategy: Strategy, match: LookupMatch, cost: CostModel, horizon: int | None = None) -> Prediction:
-    """Prompt lookup: drafting is a dict lookup (no forward); a round that found a match verifies
-    at the padded width, one that found none is a plain single-row step. Averaged over the
-    window's start positions that leave room for a draft of ``horizon`` (as ``replay`` does): on
-    the same positions a longer lookup never predicts slower, as at one verify width it is not."""
-    k, w = strategy.draft_length, match.window
-    starts = _starts(w, k, horizon)
-    n = max(len(starts), 1)
-    accepted = sum(min(match.accepted[i], k) for i in starts) / n
-    drafting = sum(match.proposed[i] > 0 for i in starts) / n
-    seconds = drafting * cost.verify_s() + (1.0 - drafting) * cost.plain_step_s()
-    return Prediction(tokens_per_round=accepted + 1.0, draft_forwards=0.0, seconds_per_round=seconds, draft_seconds=0.0)
+    """Prompt lookup, replayed as it decodes (``lookup_rounds``): drafting is a dict lookup (no
+    forward); a round that found a match verifies its 1 + proposed rows (the padded width where
+    the decoder pads), one that found none is a plain single-row step."""
+    rounds = lookup_rounds(match, strategy.draft_length, horizon)
+    n = sum(w for _, _, w in rounds)
+    if n <= 0:
+        return predict_plain(cost)
+    tokens = sum(w * (a + 1.0) for a, _, w in rounds)
+    seconds = sum(w * (cost.verify_s(1.0 + p) if p > 0 else cost.plain_step_s()) for _, p, w in rounds)
+    return Prediction(tokens_per_round=tokens / n, draft_forwards=0.0, seconds_per_round=seconds / n, draft_seconds=0.0)
+
+
+def lookup_rounds(match: LookupMatch, k: int, horizon: int | None = None) -> list[tuple[int, int, float]]:
+    """The rounds prompt lookup of length ``k`` decodes over the window, as it decodes them: from
+    each phase (so that where the window starts does not decide what is found), a round at
+    position ``i`` proposes ``min(proposed[i], k)`` tokens, accepts ``min(accepted[i], k)`` of
+    them, and the next round starts after them and the target's token. Its tokens are greedy
+    decoding's own, so on the window this is what lookup would do. Every length is walked over the
+    same positions, those where a draft of ``horizon`` still fits in the window (as ``_starts``),
+    from the same phases ``0 .. horizon``; the round that crosses the end counts for the share of
+    its tokens before it. -> (accepted, proposed, weight) per round, over all phases.
+
+    Averaging every position instead (a round starting everywhere) under-counts what recurring
+    text gives: inside a copied stretch a round accepts ``k`` tokens and jumps ``k + 1`` ahead,
+    so stretches that copy take few rounds and the rest one token each."""
+    end = len(_starts(match.window, k, horizon))
+    out: list[tuple[int, int, float]] = []
+    for phase in range(min(max(k, horizon or 0) + 1, end)):
+        i = phase
+        while i < end:
+            p = min(match.proposed[i], k)
+            a = min(match.accepted[i], p)
+            out.append((a, p, min(1.0, (end - i) / (a + 1.0))))
+            i += a + 1
+    return out

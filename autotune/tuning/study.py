@@ -1,24 +1,28 @@
 """``autotune study``: decode a task's prompts while tuning the strategy online, persist the best.
 
-1. ``_build``, ``_tune``: plain decoding runs first, every drafter kind of the space following the
-   sequence on standby; the online tuner (``autotune.tuning.tuner``) scores candidates between
-   rounds, races them on fresh windows and switches only to one that measured faster; trials go to
-   Optuna's RDB storage (one study per model, draft, task, space and hardware; resumed when it
-   exists, its best tried first). The default space is ``auto`` (plain / prompt lookup / the draft
-   model or the target's own layers, with trees, lengths, thresholds, layer-parallel groups and
-   calibration).
-2. ``_check``: the best strategy and plain decoding then run side by side on the first
-   ``CHECK_PROMPTS`` prompts: measured tokens/s, speedup and token identity.
-3. ``_record``: the faster of the two (plain decoding is a point of every space: a study never
-   stores a strategy slower than not speculating) is recorded in the strategy store (best row +
-   history + the routing texts of the prompts decoded, which ``autotune serve`` routes requests by)
-   in one transaction.
+1. ``split_prompts`` (``autotune.tuning.heldout``): every third prompt (at least two where there
+   are enough) is held out of tuning.
+2. ``_build``, ``_tune``: on the other prompts plain decoding runs first, every drafter kind of the
+   space following the sequence on standby; the online tuner (``autotune.tuning.tuner``) scores
+   candidates between rounds, races them on fresh windows and switches only to one that measured
+   faster; trials go to Optuna's RDB storage (one study per model, draft, task, space and
+   hardware; resumed when it exists, its best tried first). The default space is ``auto`` (plain /
+   prompt lookup / the draft model or the target's own layers, with trees, lengths, thresholds,
+   layer-parallel groups and calibration).
+3. ``_judge``: plain decoding, the tuner's incumbent and a runner-up of another drafter kind decode
+   the held-out prompts, interleaved; the one with the highest lower bound on its per-prompt
+   speed-up is chosen (plain decoding wins ties; a candidate whose output differed is never
+   chosen), and its held-out speed-up is what the study reports.
+4. ``_record``: the chosen strategy is recorded in the strategy store (best row + history, with the
+   held-out speed-up, + the routing texts of the prompts decoded, which ``autotune serve`` routes
+   requests by) in one transaction; every candidate's per-prompt speed-ups go to the study's
+   ``heldout`` attribute, which ``autotune report`` plots.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optuna
@@ -28,6 +32,7 @@ from autotune.errors import CliError
 from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
 from autotune.tuning.cost_model import MeasuredCostModel
+from autotune.tuning.heldout import Candidate, Verdict, choose, judge_on, plain_candidate, split_prompts
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
@@ -35,6 +40,7 @@ from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
+from search_spaces.errors import SpaceError
 from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
 
 # `autotune study` with no --model: the packaged Qwen2.5-Coder pair on HumanEval (no data files needed)
@@ -43,7 +49,6 @@ DEFAULT_SPACE = "auto"  # the joint space: plain / prompt lookup / the drafting 
 # the named subset a bench's `uniform` method starts from (EasySpec's plan, SWIFT's uniform skip)
 REFERENCE_SPACE = {"draft-model": "easyspec", "layer-skip": "layer-skip"}
 MAX_DRAFT_LENGTH = 12
-CHECK_PROMPTS = 2
 
 
 def default_space(draft: str | None) -> str:
@@ -107,38 +112,62 @@ def study_name(key: StrategyKey, space: str) -> str:
 class StudyReport:
     name: str
     space: str
-    best: Strategy  # the tuner's best candidate
-    chosen: Strategy  # what was stored: ``best``, or plain decoding when that measured faster
+    best: Strategy  # the tuner's incumbent
+    chosen: Strategy  # what was stored: the held-out judgement's winner (``autotune.tuning.heldout``)
     uniform: Strategy
     tuner: dict[str, Any]
     tune_stats: DecodeStats
-    plain_tps: float
-    best_tps: float
-    identical: bool
+    verdict: Verdict  # plain decoding, the incumbent and the runner-up on the held-out prompts
     tuning_share: float
     storage_url: str
-    stored_reason: str = ""  # why ``chosen`` was stored (see :func:`choose_stored`)
-    # ``baseline=True``: plain decoding of every study prompt, interleaved with the tuning decoder
-    # (:class:`Baseline`); None otherwise
+    tuned_prompts: int = 0
+    # ``baseline=True``: plain decoding of every prompt tuned on, interleaved with the tuning
+    # decoder (:class:`Baseline`); None otherwise
     baseline: "Baseline | None" = None
     history_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def stored_reason(self) -> str:
+        return self.verdict.reason
+
+    @property
+    def identical(self) -> bool:
+        """Every candidate's output equalled plain decoding's on every held-out prompt (and, with
+        ``baseline``, the tuning decoder's on every tuned one)."""
+        return all(c.identical for c in self.verdict.candidates) and (self.baseline is None or self.baseline.identical)
+
+    @property
     def refused(self) -> bool:
-        """The best candidate's output differed from plain decoding, so it was not stored."""
-        return self.best.speculates and not self.identical
+        """A speculating candidate's output differed from plain decoding, so it was not stored."""
+        return not self.identical
+
+    @property
+    def plain_tps(self) -> float:
+        return self.verdict.plain.stats.tokens_per_s
+
+    @property
+    def chosen_tps(self) -> float:
+        return self.verdict.chosen.stats.tokens_per_s
 
     @property
     def speedup(self) -> float:
-        return self.best_tps / self.plain_tps if self.plain_tps else 0.0
+        """The stored strategy's speed-up over plain decoding on the held-out prompts."""
+        return self.verdict.speedup
+
+    @property
+    def in_sample_speedup(self) -> float | None:
+        """The tuner's predicted speed-up of its incumbent on the prompts it tuned on (in-sample)."""
+        plain, best = self.tuner.get("plain_predicted_tps"), self.tuner.get("best_predicted_tps")
+        return best / plain if plain and best else None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "study": self.name, "space": self.space, "best": self.best.to_dict(), "chosen": self.chosen.to_dict(),
-            "uniform": self.uniform.to_dict(),
-            "tuner": self.tuner, "tune_stats": self.tune_stats.as_dict(), "plain_tps": self.plain_tps,
-            "best_tps": self.best_tps, "speedup": self.speedup, "identical": self.identical,
+            "uniform": self.uniform.to_dict(), "tuner": self.tuner, "tune_stats": self.tune_stats.as_dict(),
+            "plain_tps": self.plain_tps, "chosen_tps": self.chosen_tps, "speedup": self.speedup,
+            "heldout": self.verdict.as_dict(), "in_sample_speedup": self.in_sample_speedup,
+            "tuned_prompts": self.tuned_prompts, "identical": self.identical,
             "tuning_share": self.tuning_share, "storage": self.storage_url, "stored_reason": self.stored_reason,
             "refused": self.refused,
             "baseline": self.baseline.as_dict() if self.baseline else None,
@@ -172,32 +201,34 @@ def run_study(
     cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = 0.45,
     progress: bool = True, prompt_texts: Sequence[str] = (), baseline: bool = False,
 ) -> StudyReport:
-    """Tune on ``prompts`` (token ids) and record the result; ``prompt_texts`` are their routing
-    texts (``studies.routing_text``), stored with the result for the server's task router.
-    ``baseline``: decode every prompt plainly too, next to tuning on it (``Baseline``: tokens/s
-    while tuning against plain decoding's on the same prompts, and token identity of every
-    output, which joins the lossless check of what is stored); its time is not tuning time."""
-    setup = _build(pool, target, draft_name, task, prompts, cfg, storage, space_name, settings, skip_ratio)
-    stats, base, tuning_share = _tune(setup, pool, target, prompts, cfg, progress, baseline)
-    check = _check(pool, target, setup.uses_draft, setup.tuner.best, prompts[:CHECK_PROMPTS], cfg, setup.width)
-    if base is not None:  # an output that differed while tuning: nothing speculative is stored
-        check.identical &= base.identical
-    report = _record(setup, storage, check, stats, base, tuning_share, prompt_texts)
-    report.extra["precision"] = _precision_advice(pool, target, setup, report, check, prompts, cfg)
+    """Tune on ``prompts`` (token ids) less the held-out ones (``split_prompts``), judge on those,
+    and record the result; ``prompt_texts`` are the routing texts of all of them
+    (``studies.routing_text``), stored with the result for the server's task router.
+    ``baseline``: decode every tuned prompt plainly too, next to tuning on it (``Baseline``:
+    tokens/s while tuning against plain decoding's on the same prompts, and token identity of
+    every output, which joins the lossless check of what is stored); its time is not tuning time."""
+    tuned_idx, held_idx = split_prompts(len(prompts))
+    tuned = [prompts[i] for i in tuned_idx]
+    held = [prompts[i] for i in held_idx] or tuned[:1]  # one prompt: judged in-sample, and said so
+    setup = _build(pool, target, draft_name, task, tuned, cfg, storage, space_name, settings, skip_ratio)
+    stats, base, tuning_share = _tune(setup, pool, target, tuned, cfg, progress, baseline)
+    verdict = _judge(pool, target, setup, held, cfg, in_sample=not held_idx)
+    report = _record(setup, storage, verdict, stats, base, tuning_share, prompt_texts, len(tuned))
+    report.extra["precision"] = _precision_advice(pool, target, setup, report, prompts, cfg)
     setup.study.set_user_attr("precision", report.extra["precision"])
     return report
 
 
 def _precision_advice(
-    pool: ModelPool, target: LoadedModel, setup: _Setup, report: StudyReport, check: Check,
-    prompts: list[list[int]], cfg: GenerationConfig,
+    pool: ModelPool, target: LoadedModel, setup: _Setup, report: StudyReport, prompts: list[list[int]],
+    cfg: GenerationConfig,
 ) -> dict[str, Any]:
     """The precision the study ran at, and which one its stored strategy (and plain decoding)
     would be fastest at on this machine (``autotune.tuning.precisions``)."""
     from autotune.tuning.precisions import advice, estimate
 
-    speculative = report.chosen is report.best and report.best.speculates
-    stats = check.tuned if speculative else check.plain
+    speculative = report.chosen.speculates
+    stats = report.verdict.chosen.stats
     context = sum(len(p) for p in prompts) // max(len(prompts), 1) + cfg.max_new_tokens // 2
     return {"precision": target.precision,
             **advice(estimate(pool, target, stats, setup.width if speculative else 1, context))}
@@ -243,7 +274,8 @@ def _build(
     drafting = decoder.drafter_of("draft-model") or decoder.drafter_of("layer-skip")
     mean_len = sum(len(p) for p in prompts) // max(len(prompts), 1)
     cost = MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
-                             verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False)
+                             verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False,
+                             padded=decoder.pads)
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
     return _Setup(space, ctx, uniform, width, uses_draft, decoder, key, name, study, tuner)
 
@@ -283,35 +315,41 @@ def _tune(
 
 
 def _record(
-    setup: _Setup, storage: Any, check: Check, stats: DecodeStats, base: Baseline | None, tuning_share: float,
-    prompt_texts: Sequence[str],
+    setup: _Setup, storage: Any, verdict: Verdict, stats: DecodeStats, base: Baseline | None, tuning_share: float,
+    prompt_texts: Sequence[str], tuned_prompts: int,
 ) -> StudyReport:
-    """Store the faster of the best candidate and plain decoding (``choose_stored``) with what
-    ``autotune report`` draws on the study. -> the study's report."""
+    """Store the held-out judgement's winner with its held-out speed-up, and what ``autotune
+    report`` draws on the study. -> the study's report."""
     tuner, study, name = setup.tuner, setup.study, setup.name
     summary = tuner.summary()
-    chosen, reason = choose_stored(tuner.best, check)
-    chosen_stats = check.tuned if chosen is tuner.best else check.plain
-    predicted = tuner.predicted_tps(chosen) if chosen is tuner.best else summary["plain_predicted_tps"]
-    decode = chosen_stats.decode_tokens_per_s  # the rounds the prediction is about (prefill left out)
-    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen_stats.tokens_per_s, "decode_tps": decode,
-                         "ratio": predicted / decode if predicted and decode else None}
-    summary["check"] = {"plain": check.plain.as_dict(), "tuned": check.tuned.as_dict()}
+    chosen = verdict.chosen
+    if base is not None and not base.identical:  # an output differed while tuning: nothing speculative
+        chosen = verdict.plain
+        verdict = replace(verdict, chosen=chosen, reason=(
+            "plain decoding: the tuning decoder's output differed from plain decoding, so nothing speculative "
+            "was stored"))
+    predicted = chosen.predicted_tps if chosen.strategy.speculates else summary["plain_predicted_tps"]
+    decode = chosen.stats.decode_tokens_per_s  # the rounds the prediction is about (prefill left out)
+    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen.stats.tokens_per_s, "decode_tps": decode,
+                         "ratio": predicted / decode if predicted and decode else None,
+                         "on": "in-sample prompt" if verdict.in_sample else "held-out prompts"}
+    heldout = verdict.as_dict()
     for attr, value in (("kept", summary["kept"]), ("switches", summary["switches"]), ("stored", summary["stored"]),
                         ("rejected", summary["rejected"]), ("tune_stats", stats.as_dict()),
-                        ("plain_predicted_tps", summary["plain_predicted_tps"]), ("tuning_share", tuning_share)):
+                        ("plain_predicted_tps", summary["plain_predicted_tps"]), ("tuning_share", tuning_share),
+                        ("heldout", heldout)):
         study.set_user_attr(attr, value)  # what `autotune report` draws
     report = StudyReport(
-        name=name, space=setup.space.name, best=tuner.best, chosen=chosen, uniform=setup.uniform, tuner=summary,
-        tune_stats=stats, plain_tps=check.plain.tokens_per_s, best_tps=check.tuned.tokens_per_s,
-        identical=check.identical, tuning_share=tuning_share, storage_url=storage.display_url,
-        stored_reason=reason, baseline=base,
+        name=name, space=setup.space.name, best=tuner.best, chosen=chosen.strategy, uniform=setup.uniform,
+        tuner=summary, tune_stats=stats, verdict=verdict, tuning_share=tuning_share,
+        storage_url=storage.display_url, tuned_prompts=tuned_prompts, baseline=base,
     )
-    report.history_id = storage.record(setup.key, chosen, ResultMetrics(
-        score=chosen_stats.tokens_per_s, measured_tps=chosen_stats.tokens_per_s,
+    plain_tps = verdict.plain.stats.tokens_per_s
+    report.history_id = storage.record(setup.key, chosen.strategy, ResultMetrics(
+        score=chosen.stats.tokens_per_s, measured_tps=chosen.stats.tokens_per_s,
         predicted_tps=predicted or None,
-        acceptance=chosen_stats.acceptance_rate if chosen_stats.drafted else None,
-        speedup=chosen_stats.tokens_per_s / check.plain.tokens_per_s if check.plain.tokens_per_s else None,
+        acceptance=chosen.stats.acceptance_rate if chosen.stats.drafted else None,
+        speedup=chosen.stats.tokens_per_s / plain_tps if plain_tps else None,
         tuning_share=tuning_share, study_name=name,
     ), prompts=prompt_texts)
     return report
@@ -326,46 +364,52 @@ def _resume(study: optuna.Study, space: SearchSpace, ctx: SpaceContext) -> Strat
     return space.define(optuna.trial.FixedTrial(best.params), ctx)
 
 
-@dataclass
-class Check:
-    plain: DecodeStats
-    tuned: DecodeStats
-    identical: bool
+def runner_up(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> tuple[Strategy, float] | None:
+    """The tuner's best-scored speculating trial other than its incumbent, of another drafter kind
+    where one was scored (a near-copy of the incumbent would say little about the task that the
+    incumbent does not). -> (strategy, its corrected score), or None when nothing else scored."""
+    best = tuner.best
+    done = [t for t in tuner.trials.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if t.value is not None]
+    other_kind: tuple[Strategy, float] | None = None
+    same_kind: tuple[Strategy, float] | None = None
+    for t in sorted(done, key=lambda t: -float(t.value)):
+        try:
+            s = space.define(optuna.trial.FixedTrial(t.params), ctx)
+        except (SpaceError, ValueError, KeyError):
+            continue
+        if not s.speculates or s == best:
+            continue
+        if s.drafter != best.drafter or not best.speculates:
+            other_kind = other_kind or (s, float(t.value))
+            break
+        same_kind = same_kind or (s, float(t.value))
+    return other_kind or same_kind
 
 
-def choose_stored(best: Strategy, check: Check) -> tuple[Strategy, str]:
-    """What a study stores for its key, and why. Plain decoding is a point of every space: the
-    best candidate is stored only when its output equalled plain decoding's on every checked
-    prompt (lossless) and it measured faster (never slower than not speculating)."""
-    if not best.speculates:
-        return PLAIN, "plain decoding (no candidate was predicted faster)"
-    if not check.identical:
-        return PLAIN, ("plain decoding: the best candidate's output differed from plain decoding, "
-                       "so it was not stored")
-    if check.tuned.tokens_per_s <= check.plain.tokens_per_s:
-        return PLAIN, "plain decoding (it measured faster than the best candidate)"
-    return best, "the best candidate"
-
-
-def _check(
-    pool: ModelPool, target: LoadedModel, draft_name: str | None, best: Strategy,
-    prompts: list[list[int]], cfg: GenerationConfig, width: int,
-) -> Check:
-    """Plain decoding and the best strategy side by side, interleaved after a warm-up: their
-    stats, and whether every output is identical."""
-    plain = build_decoder(pool, target, PLAIN)
-    tuned = None
-    if best.speculates:  # a tuner that kept plain decoding has nothing else to measure
-        tuned = build_decoder(pool, target, best, draft_name if best.drafter == "draft-model" else None, verify_width=width)
-    check = Check(DecodeStats(), DecodeStats(), True)
+def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[list[int]], cfg: GenerationConfig,
+           in_sample: bool) -> Verdict:
+    """Plain decoding, the tuner's incumbent and its runner-up on ``prompts`` (held out of tuning),
+    interleaved after a warm-up; the choice is ``heldout.choose``'s."""
+    tuner = setup.tuner
+    plain = plain_candidate()
+    others = []
+    if tuner.best.speculates:
+        others.append(Candidate(tuner.best, "incumbent", tuner.predicted_tps(tuner.best)))
+    second = runner_up(tuner, setup.space, setup.ctx)
+    if second is not None:
+        others.append(Candidate(second[0], "runner-up", second[1]))
+    # each at its own verify width: what `generate`, `bench` and `serve` build for a stored strategy
+    decoders = {c.strategy: build_decoder(pool, target, c.strategy,
+                                          setup.uses_draft if c.strategy.drafter == "draft-model" else None)
+                for c in (plain, *others)}
     warm = GenerationConfig(max_new_tokens=min(8, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
-    for decoder in (plain, tuned):
-        if decoder is not None:
-            decoder.generate(prompts[0], warm)
-    for ids in prompts:
-        a = plain.generate(ids, cfg)
-        b = tuned.generate(ids, cfg) if tuned is not None else a
-        check.identical &= a.tokens == b.tokens
-        check.plain = check.plain.merge(a.stats)
-        check.tuned = check.tuned.merge(b.stats)
-    return check
+    for decoder in decoders.values():
+        decoder.generate(prompts[0], warm)
+
+    def decode(strategy: Strategy, ids: list[int]) -> tuple[list[int], DecodeStats]:
+        result = decoders[strategy].generate(ids, cfg)
+        return result.tokens, result.stats
+
+    judge_on(prompts, [plain, *others], decode)
+    return choose(plain, others, in_sample=in_sample)

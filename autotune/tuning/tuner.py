@@ -273,8 +273,12 @@ class OnlineTuner:
         self.racing.account(last, mark)
         steps = mark.forwards - last.forwards
         if steps > 0 and mark.verify_s > last.verify_s:
-            observe = self.cost.observe_verify if mark.draft_rounds > last.draft_rounds else self.cost.observe_plain
-            observe((mark.verify_s - last.verify_s) / steps)
+            seconds = (mark.verify_s - last.verify_s) / steps
+            rounds = mark.draft_rounds - last.draft_rounds
+            if rounds > 0:  # its rows: 1 + the tokens drafted (what a verify that does not pad runs)
+                self.cost.observe_verify(seconds, 1.0 + (mark.drafted - last.drafted) / rounds)
+            else:
+                self.cost.observe_plain(seconds)
 
     # ----------------------------------------------------------------- scoring
     def score(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> Score | None:

@@ -639,9 +639,9 @@ def test_timing_the_cost_model_is_held_against_the_allowance(target):
     class SlowToTime(FixedCostModel):
         calibration_s = 0.0
 
-        def verify_s(self) -> float:
+        def verify_s(self, rows: float | None = None) -> float:
             self.calibration_s = 5.0  # the first price costs 5 s of timing forwards
-            return super().verify_s()
+            return super().verify_s(rows)
 
     cost = SlowToTime(draft_full_s=0.0, verify_const_s=1.0)
     sim = SimClock(verify=1.0, draft=0.0)

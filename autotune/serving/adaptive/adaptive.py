@@ -285,7 +285,7 @@ class Adapter:
             drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
             self.cost = MeasuredCostModel(draft=drafting.model if drafting is not None else dec.target,
                                           target=dec.target, verify_width=self.worker.verify_width, context=512,
-                                          repeats=1, warm=False)
+                                          repeats=1, warm=False, padded=dec.pads)
         return self.cost
 
     def _decoder(self) -> Decoder:
