@@ -118,6 +118,8 @@ def format_study(report: Any) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    from autotune.tuning.heldout import describe
+
     t = report.tuner
     table = Table(title=f"study {report.name}", show_header=False)
     table.add_column("field")
@@ -138,7 +140,7 @@ def format_study(report: Any) -> str:
                          f"({t['trials']} trials, {t.get('measured_trials', 0)} measured; "
                          f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
         ("while tuning", _while_tuning_text(report)),
-        ("stored", f"{report.chosen.to_json()}: {stored} in {report.storage_url} (history row {report.history_id})"),
+        ("stored", f"{describe(report.chosen)}: {stored} in {report.storage_url} (history row {report.history_id})"),
         ("precision", _precision_text(report.extra.get("precision"))),
     ]
     for k, v in rows:
@@ -170,14 +172,14 @@ def _held_out_text(report: Any) -> str:
 
 def _candidates_text(report: Any) -> str:
     """Each candidate of the held-out judgement: its speed-up and its lower bound."""
-    from autotune.tuning.heldout import aggregate_speedup, lower_bound, speedups
+    from autotune.tuning.heldout import aggregate_speedup, describe, lower_bound, speedups
 
     v = report.verdict
     parts = []
     for c in v.candidates[1:]:
         bound = lower_bound(speedups(c, v.plain))
         shown = f"{math.exp(bound):.2f}x" if bound > -math.inf else "-"
-        parts.append(f"{c.label} {c.strategy.to_json()}: {aggregate_speedup(c, v.plain):.2f}x "
+        parts.append(f"{c.label} ({describe(c.strategy)}): {aggregate_speedup(c, v.plain):.2f}x "
                      f"(bound {shown}{'' if c.identical else ', output DIFFERED'})")
     return "; ".join(parts) or "none (the tuner kept plain decoding and scored nothing else)"
 

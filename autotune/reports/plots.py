@@ -199,6 +199,42 @@ def predicted_vs_measured(kept: Sequence[dict[str, Any]], path: Path | str,
     return save_figure(fig, path)
 
 
+def held_out_spread(heldout: dict[str, Any], path: Path | str) -> Path:
+    """Each candidate of a study's held-out judgement: its speed-up over plain decoding on every
+    held-out prompt (dots, a box where there are enough), the aggregate speed-up (a bar) and the
+    lower bound the choice was made on (a tick); the stored one is named in the title."""
+    fig, ax = new_figure()
+    cands = [c for c in heldout.get("candidates") or () if c.get("label") != "plain"]
+    if not cands:
+        note(ax, "plain decoding was the only candidate (the tuner scored nothing else)")
+    else:
+        labels = [f"{c['label']}\n{strategy_label(c.get('strategy') or {})}" for c in cands]
+        for x, c in enumerate(cands):
+            ups = [float(u) for u in c.get("speedups") or ()]
+            if len(ups) >= 4:
+                ax.boxplot([ups], positions=[x], widths=0.35, showfliers=False, manage_ticks=False)
+            offsets = [(i - (len(ups) - 1) / 2) * 0.04 for i in range(len(ups))]
+            ax.scatter([x + o for o in offsets], ups, color="tab:blue" if c.get("identical", True) else "tab:red",
+                       zorder=3, s=18, label="one held-out prompt" if x == 0 else None)
+            if c.get("speedup"):
+                ax.bar([x], [float(c["speedup"])], width=0.6, color="tab:blue", alpha=0.15, zorder=1,
+                       label="all held-out prompts" if x == 0 else None)
+            bound = c.get("bound")
+            if isinstance(bound, (int, float)) and math.isfinite(bound):
+                ax.hlines(math.exp(bound), x - 0.3, x + 0.3, color="tab:orange", linewidth=2, zorder=4,
+                          label="lower bound (chosen on)" if x == 0 else None)
+        ax.set_xticks(range(len(cands)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="plain decoding")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    n = heldout.get("prompts", 0)
+    where = "in-sample prompt (nothing held out)" if heldout.get("in_sample") else "held-out prompt(s)"
+    ax.set_title(f"speed-up over plain on {n} {where}; stored: {heldout.get('chosen', '-')}", fontsize=9)
+    ax.set_ylabel("tok/s / plain decoding's tok/s")
+    ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
 def _trial_tag(k: dict[str, Any]) -> str:
     trial = k.get("trial")
     return f"#{trial}" if isinstance(trial, int) and trial >= 0 else "start"
@@ -216,6 +252,7 @@ class StudyData:
     plain_tps: float | None
     switches: tuple[int, ...] = ()  # trial numbers the tuner switched to
     rejected: tuple[dict[str, Any], ...] = ()  # candidates measured and not kept
+    heldout: dict[str, Any] | None = None  # the held-out judgement (``autotune.tuning.heldout``)
 
     @classmethod
     def from_study(cls, study: Any) -> "StudyData":
@@ -227,7 +264,7 @@ class StudyData:
             name=study.study_name, trials=tuple(complete), kept=tuple(attrs.get("kept") or ()),
             tune_stats=attrs.get("tune_stats"), plain_tps=attrs.get("plain_predicted_tps"),
             switches=tuple(n for n in attrs.get("switches") or () if isinstance(n, int)),
-            rejected=tuple(attrs.get("rejected") or ()),
+            rejected=tuple(attrs.get("rejected") or ()), heldout=attrs.get("heldout"),
         )
 
 
@@ -263,6 +300,13 @@ STUDY_PLOTS: dict[str, StudyPlot] = {
         "Every strategy the tuner kept: the cost model's predicted tok/s against the tok/s measured while it "
         "decoded (crosses: candidates measured and not kept).",
         lambda d, p: predicted_vs_measured(d.kept, p, d.rejected),
+    ),
+    "held_out": StudyPlot(
+        "held_out.png",
+        "The held-out judgement: each candidate's speed-up over plain decoding on every prompt held out of "
+        "tuning (dots; red: output differed), over all of them (bar), and the lower bound it was chosen on.",
+        lambda d, p: held_out_spread(d.heldout or {}, p),
+        lambda d: None if d.heldout else "the study has no 'heldout' user attribute (made before held-out judging)",
     ),
 }
 

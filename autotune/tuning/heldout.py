@@ -162,5 +162,21 @@ def judge_on(prompts: Sequence[list[int]], candidates: Sequence[Candidate], deco
             candidates[c].identical &= outputs[c] == outputs[0]
 
 
+def describe(strategy: Strategy) -> str:
+    """A short name: drafter, length, and what else is set (threshold, tree, layer plan)."""
+    if not strategy.speculates:
+        return "plain"
+    parts = [f"{strategy.drafter} k={strategy.draft_length}"]
+    if strategy.drafter in ("draft-model", "layer-skip") and strategy.confidence_threshold:
+        parts.append(f"eps={strategy.confidence_threshold:g}")
+    if strategy.tree_widths:
+        parts.append("tree " + "x".join(map(str, strategy.tree_widths[:4])))
+    if strategy.layer_plan is not None and not strategy.layer_plan.is_identity:
+        parts.append("layer plan")
+    if strategy.lookup_first:
+        parts.append("lookup first")
+    return " ".join(parts)
+
+
 def plain_candidate() -> Candidate:
     return Candidate(PLAIN, "plain")

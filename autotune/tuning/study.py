@@ -395,10 +395,10 @@ def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[li
     plain = plain_candidate()
     others = []
     if tuner.best.speculates:
-        others.append(Candidate(tuner.best, "incumbent", tuner.predicted_tps(tuner.best)))
+        others.append(Candidate(tuner.best, "incumbent", tuner.task_tps(tuner.best)))
     second = runner_up(tuner, setup.space, setup.ctx)
-    if second is not None:
-        others.append(Candidate(second[0], "runner-up", second[1]))
+    if second is not None:  # predicted over the whole task where that is free, else on its window
+        others.append(Candidate(second[0], "runner-up", tuner.task_tps(second[0]) or second[1]))
     # each at its own verify width: what `generate`, `bench` and `serve` build for a stored strategy
     decoders = {c.strategy: build_decoder(pool, target, c.strategy,
                                           setup.uses_draft if c.strategy.drafter == "draft-model" else None)

@@ -44,7 +44,8 @@ import optuna
 
 from autotune.tuning.budget import Budget
 from autotune.tuning.cost_model import CostModel
-from autotune.tuning.objective import predict_plain
+from autotune.tuning.matchness import lookup_match
+from autotune.tuning.objective import predict_lookup, predict_plain
 from autotune.tuning.race import Families, Kept, Race, Racer, RoundMark, Score
 from autotune.tuning.scoring import SCORERS, Window
 from autotune.tuning.trials import Trials, bayesian_sampler
@@ -139,6 +140,7 @@ class OnlineTuner:
         self._last: RoundMark | None = None
         self._prompt_start = 0
         self._applied = False
+        self.decoded: list[tuple[int, list[int]]] = []  # (prompt length, prompt + output) of every prompt tuned on
         # tried first: a resumed study's best, then the space's seeds (one good point per drafter kind)
         seeds = [initial] + [s for s in space.seeds(ctx) if s != initial]
         for seed in seeds:
@@ -197,6 +199,7 @@ class OnlineTuner:
         new trials."""
         self._account(tokens, stats)
         self._last = None
+        self.decoded.append((self._prompt_start, list(tokens)))
         self.racing.correct(self.incumbent)
         t0 = self.clock()
         self.flush()
@@ -430,6 +433,23 @@ class OnlineTuner:
     def predicted_tps(self, strategy: Strategy) -> float | None:
         """A kept strategy's corrected prediction for the task (``Race.predicted_tps``)."""
         return self.racing.predicted_tps(strategy)
+
+    def task_tps(self, strategy: Strategy) -> float | None:
+        """``strategy``'s corrected prediction over everything decoded while tuning, where that
+        costs no forward: prompt lookup replayed over every output in full (``lookup_rounds``:
+        the match statistics of the text itself); any other kind's task prediction when it was
+        kept (``predicted_tps``); else None."""
+        if strategy.drafter == "prompt-lookup":
+            tokens = seconds = 0.0
+            for start, seq in self.decoded:
+                n = len(seq) - start
+                if n < 2:
+                    continue
+                got = predict_lookup(strategy, lookup_match(seq, n, self.ctx.max_draft_length), self.cost)
+                if got.tokens_per_s > 0:
+                    tokens, seconds = tokens + n, seconds + n / got.tokens_per_s
+            return tokens / seconds * self.correction(strategy) if seconds > 0 else None
+        return self.predicted_tps(strategy)
 
     def flush(self) -> None:
         """Copy the trials finished since the last flush into the persistent study."""

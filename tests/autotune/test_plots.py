@@ -21,6 +21,7 @@ from tests.helpers import assert_one_line_error, run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALWAYS = ("tuning_curve.png", "predicted_vs_measured.png")
+HELD_OUT = ("held_out.png",)  # a study made since held-out judging
 FROM_STATS = ("acceptance_by_position.png", "accepted_histogram.png")
 
 
@@ -79,7 +80,7 @@ def test_study_report_has_every_plot(studied, tmp_path):
     study = load(url, name)
     index = write_study_report(study, tmp_path / "report")
     assert index == tmp_path / "report" / "index.html"
-    expect = ALWAYS + (FROM_STATS if study.user_attrs.get("tune_stats") else ())
+    expect = ALWAYS + HELD_OUT + (FROM_STATS if study.user_attrs.get("tune_stats") else ())
     assert_report_dir(index.parent, expect)
     page = index.read_text()
     assert f"<title>{name.replace('&', '&amp;')}</title>" in page  # study names hold no < > "
@@ -95,7 +96,7 @@ def test_study_report_without_tune_stats_lists_the_skipped_plots(studied, tmp_pa
     index = write_study_report(study, tmp_path / "bare")
     assert_report_dir(tmp_path / "bare", ALWAYS)
     page = index.read_text()
-    for name in FROM_STATS:
+    for name in FROM_STATS + HELD_OUT:
         assert not (tmp_path / "bare" / name).exists()
         assert f"<li>{name}: " in page
 
@@ -196,7 +197,7 @@ def test_bench_plot(tmp_path):
 
 
 def test_registry_names_its_files():
-    assert {p.file for p in STUDY_PLOTS.values()} == set(ALWAYS + FROM_STATS)
+    assert {p.file for p in STUDY_PLOTS.values()} == set(ALWAYS + FROM_STATS + HELD_OUT)
     assert all(p.file == f"{key}.png" for key, p in STUDY_PLOTS.items())
 
 
@@ -210,3 +211,19 @@ def test_study_cli_plot_flag(tmp_path, capsys):
     assert code in (0, 1), err  # 1: the tuned strategy was refused (its table is printed all the same)
     assert stdout.strip().splitlines()[-1] == f"plots: {out / 'index.html'}"
     assert_report_dir(out, ALWAYS)
+
+
+def test_held_out_spread_plot(tmp_path):
+    """The held-out judgement's strip plot, from a study's `heldout` attribute alone."""
+    from autotune.reports.plots import held_out_spread
+
+    chain = {"drafter": "draft-model", "draft_length": 4}
+    heldout = {"chosen": "runner-up", "prompts": 5, "in_sample": False, "candidates": [
+        {"label": "plain", "strategy": {}, "speedups": [1.0] * 5, "speedup": 1.0, "bound": 0.0},
+        {"label": "incumbent", "strategy": {"drafter": "prompt-lookup", "draft_length": 12}, "identical": True,
+         "speedups": [2.1, 0.8, 0.9, 1.9, 0.7], "speedup": 1.2, "bound": -0.2},
+        {"label": "runner-up", "strategy": chain, "identical": True, "speedups": [1.2, 1.3, 1.25, 1.2, 1.3],
+         "speedup": 1.25, "bound": 0.2},
+    ]}
+    assert_png(held_out_spread(heldout, tmp_path / "h.png"))
+    assert_png(held_out_spread({"prompts": 1, "candidates": [heldout["candidates"][0]]}, tmp_path / "p.png"))
