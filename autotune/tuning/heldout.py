@@ -4,8 +4,9 @@ it was tuned on.
 A strategy that wins on the prompts the tuner saw can lose on the next ones (prompt lookup picked
 where a few completions copied their prompt), so a study keeps part of its prompts away from the
 tuner (``split_prompts``: every third, at least ``MIN_HELD`` where there are enough) and decodes
-them, after tuning, with plain decoding, the tuner's incumbent and a runner-up of another drafter
-kind (``runner_up``), interleaved prompt by prompt (``judge_on``).
+them, after tuning, with plain decoding, the tuner's incumbent and the best-scored candidate of
+each other drafter kind (``autotune.tuning.study.runner_ups``), interleaved prompt by prompt
+(``judge_on``).
 
 ``choose`` then stores the candidate with the highest **lower confidence bound** on its per-prompt
 speed-up over plain decoding: the mean of ``log(speed-up)`` over the held-out prompts minus

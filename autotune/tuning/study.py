@@ -9,8 +9,8 @@
    hardware; resumed when it exists, its best tried first). The default space is ``auto`` (plain /
    prompt lookup / the draft model or the target's own layers, with trees, lengths, thresholds,
    layer-parallel groups and calibration).
-3. ``_judge``: plain decoding, the tuner's incumbent and a runner-up of another drafter kind decode
-   the held-out prompts, interleaved; the one with the highest lower bound on its per-prompt
+3. ``_judge``: plain decoding, the tuner's incumbent and the best-scored candidate of each other
+   drafter kind (``runner_ups``) decode the held-out prompts, interleaved; the one with the highest lower bound on its per-prompt
    speed-up is chosen (plain decoding wins ties; a candidate whose output differed is never
    chosen), and its held-out speed-up is what the study reports.
 4. ``_record``: the chosen strategy is recorded in the strategy store (best row + history, with the
@@ -364,14 +364,17 @@ def _resume(study: optuna.Study, space: SearchSpace, ctx: SpaceContext) -> Strat
     return space.define(optuna.trial.FixedTrial(best.params), ctx)
 
 
-def runner_up(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> tuple[Strategy, float] | None:
-    """The tuner's best-scored speculating trial other than its incumbent, of another drafter kind
-    where one was scored (a near-copy of the incumbent would say little about the task that the
-    incumbent does not). -> (strategy, its corrected score), or None when nothing else scored."""
+def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> list[tuple[Strategy, float]]:
+    """The tuner's best-scored speculating trial of each drafter kind other than its incumbent's
+    (a near-copy of the incumbent would say little about the task that the incumbent does not);
+    where the space has no other kind, its best other strategy. Where the incumbent is plain
+    decoding, one per speculating kind: the held-out prompts decide between kinds that the tuner's
+    windows did not (``auto``: at most the draft model's and prompt lookup's). -> (strategy, its
+    corrected score) per kind, best first."""
     best = tuner.best
     done = [t for t in tuner.trials.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
             if t.value is not None]
-    other_kind: tuple[Strategy, float] | None = None
+    by_kind: dict[str, tuple[Strategy, float]] = {}
     same_kind: tuple[Strategy, float] | None = None
     for t in sorted(done, key=lambda t: -float(t.value)):
         try:
@@ -381,10 +384,11 @@ def runner_up(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> tupl
         if not s.speculates or s == best:
             continue
         if s.drafter != best.drafter or not best.speculates:
-            other_kind = other_kind or (s, float(t.value))
-            break
-        same_kind = same_kind or (s, float(t.value))
-    return other_kind or same_kind
+            by_kind.setdefault(s.drafter, (s, float(t.value)))
+        elif same_kind is None:
+            same_kind = (s, float(t.value))
+    found = list(by_kind.values())
+    return found or ([same_kind] if same_kind else [])
 
 
 def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[list[int]], cfg: GenerationConfig,
@@ -396,9 +400,9 @@ def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[li
     others = []
     if tuner.best.speculates:
         others.append(Candidate(tuner.best, "incumbent", tuner.task_tps(tuner.best)))
-    second = runner_up(tuner, setup.space, setup.ctx)
-    if second is not None:  # predicted over the whole task where that is free, else on its window
-        others.append(Candidate(second[0], "runner-up", tuner.task_tps(second[0]) or second[1]))
+    for strategy, score in runner_ups(tuner, setup.space, setup.ctx):
+        # predicted over the whole task where that is free, else on the window it was scored on
+        others.append(Candidate(strategy, f"runner-up ({strategy.drafter})", tuner.task_tps(strategy) or score))
     # each at its own verify width: what `generate`, `bench` and `serve` build for a stored strategy
     decoders = {c.strategy: build_decoder(pool, target, c.strategy,
                                           setup.uses_draft if c.strategy.drafter == "draft-model" else None)
