@@ -214,8 +214,14 @@ def _while_tuning_text(report: Any) -> str:
 
 
 def _ratio_text(stored: dict[str, Any]) -> str:
-    """The stored strategy's corrected prediction against its decode-round speed on the held-out prompts."""
-    if not stored.get("ratio"):
-        return "-"
-    return (f"{stored['ratio']:.2f} (predicted {stored['predicted_tps']:.2f} tok/s, decode rounds measured "
-            f"{stored['decode_tps']:.2f} on the {stored.get('on', 'held-out prompts')})")
+    """The stored strategy's prediction against its decode-round speed on the held-out prompts:
+    priced on their own text (the cost model and the pricing of matches), and predicted from the
+    prompts tuned on (that and how far the task's text varies)."""
+    on = stored.get("on", "held-out prompts")
+    parts = []
+    if stored.get("ratio"):
+        parts.append(f"{stored['ratio']:.2f} (predicted {stored['predicted_tps']:.2f} tok/s on the {on}' own text, "
+                     f"decode rounds measured {stored['decode_tps']:.2f})")
+    if stored.get("task_ratio"):
+        parts.append(f"{stored['task_ratio']:.2f} from the prompts tuned on ({stored['task_predicted_tps']:.2f} tok/s)")
+    return "; ".join(parts) or "-"

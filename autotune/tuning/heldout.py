@@ -60,9 +60,18 @@ class Candidate:
 
     strategy: Strategy
     label: str  # "plain", "incumbent", "runner-up"
-    predicted_tps: float | None = None  # the tuner's corrected prediction for it (decode rounds)
+    predicted_tps: float | None = None  # the tuner's corrected prediction for the task (decode rounds)
     runs: list[DecodeStats] = field(default_factory=list)  # one per held-out prompt
     identical: bool = True  # every output equalled plain decoding's
+    # (tokens, predicted seconds) per held-out prompt: the cost model's price of the text it decoded
+    # there (its own matches on that text), set apart from how the task's text varies
+    priced: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def text_tps(self) -> float | None:
+        """Predicted decode tokens/s on the held-out prompts' own text (``priced``)."""
+        n, secs = sum(t for t, _ in self.priced), sum(s for _, s in self.priced)
+        return n / secs if secs > 0 else None
 
     @property
     def stats(self) -> DecodeStats:
@@ -76,7 +85,8 @@ class Candidate:
         return {"label": self.label, "strategy": self.strategy.to_dict(), "identical": self.identical,
                 "tps": [s.tokens_per_s for s in self.runs], "speedups": ups,
                 "speedup": aggregate_speedup(self, plain), "bound": lower_bound(ups),
-                "predicted_tps": self.predicted_tps, "decode_tps": self.stats.decode_tokens_per_s,
+                "predicted_tps": self.predicted_tps, "text_predicted_tps": self.text_tps,
+                "decode_tps": self.stats.decode_tokens_per_s,
                 "stats": self.stats.as_dict()}
 
 

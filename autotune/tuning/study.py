@@ -10,9 +10,10 @@
    prompt lookup / the draft model or the target's own layers, with trees, lengths, thresholds,
    layer-parallel groups and calibration).
 3. ``_judge``: plain decoding, the tuner's incumbent and the best-scored candidate of each other
-   drafter kind (``runner_ups``) decode the held-out prompts, interleaved; the one with the highest lower bound on its per-prompt
-   speed-up is chosen (plain decoding wins ties; a candidate whose output differed is never
-   chosen), and its held-out speed-up is what the study reports.
+   drafter kind (``runner_ups``) decode the held-out prompts, interleaved; the one with the
+   highest lower bound on its per-prompt speed-up is chosen (plain decoding wins ties; a
+   candidate whose output differed is never chosen), and its held-out speed-up is what the study
+   reports.
 4. ``_record``: the chosen strategy is recorded in the strategy store (best row + history, with the
    held-out speed-up, + the routing texts of the prompts decoded, which ``autotune serve`` routes
    requests by) in one transaction; every candidate's per-prompt speed-ups go to the study's
@@ -33,14 +34,15 @@ from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.heldout import Candidate, Verdict, choose, judge_on, plain_candidate, split_prompts
+from autotune.tuning.scoring import Window
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import uniform_skip_plan
-from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
 from search_spaces.errors import SpaceError
+from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
 from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
 
 # `autotune study` with no --model: the packaged Qwen2.5-Coder pair on HumanEval (no data files needed)
@@ -117,7 +119,7 @@ class StudyReport:
     uniform: Strategy
     tuner: dict[str, Any]
     tune_stats: DecodeStats
-    verdict: Verdict  # plain decoding, the incumbent and the runner-up on the held-out prompts
+    verdict: Verdict  # plain decoding, the incumbent and the runner-ups on the held-out prompts
     tuning_share: float
     storage_url: str
     tuned_prompts: int = 0
@@ -328,11 +330,16 @@ def _record(
         verdict = replace(verdict, chosen=chosen, reason=(
             "plain decoding: the tuning decoder's output differed from plain decoding, so nothing speculative "
             "was stored"))
-    predicted = chosen.predicted_tps if chosen.strategy.speculates else summary["plain_predicted_tps"]
+    speculative = chosen.strategy.speculates
+    plain_pred = summary["plain_predicted_tps"]
+    task = chosen.predicted_tps if speculative else plain_pred  # from the prompts tuned on
+    text = chosen.text_tps if speculative else plain_pred  # priced on the held-out prompts' own text
     decode = chosen.stats.decode_tokens_per_s  # the rounds the prediction is about (prefill left out)
-    summary["stored"] = {"predicted_tps": predicted, "measured_tps": chosen.stats.tokens_per_s, "decode_tps": decode,
-                         "ratio": predicted / decode if predicted and decode else None,
+    summary["stored"] = {"predicted_tps": text, "task_predicted_tps": task, "measured_tps": chosen.stats.tokens_per_s,
+                         "decode_tps": decode, "ratio": text / decode if text and decode else None,
+                         "task_ratio": task / decode if task and decode else None,
                          "on": "in-sample prompt" if verdict.in_sample else "held-out prompts"}
+    predicted = text or task
     heldout = verdict.as_dict()
     for attr, value in (("kept", summary["kept"]), ("switches", summary["switches"]), ("stored", summary["stored"]),
                         ("rejected", summary["rejected"]), ("tune_stats", stats.as_dict()),
@@ -387,8 +394,37 @@ def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> lis
             by_kind.setdefault(s.drafter, (s, float(t.value)))
         elif same_kind is None:
             same_kind = (s, float(t.value))
+    lookup = by_kind.get("prompt-lookup")
+    if lookup is not None:  # its whole grid priced over every tuned output: token work, no forward
+        by_kind["prompt-lookup"] = best_lookup(tuner, space, ctx, lookup)
     found = list(by_kind.values())
     return found or ([same_kind] if same_kind else [])
+
+
+def best_lookup(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext,
+                scored: tuple[Strategy, float]) -> tuple[Strategy, float]:
+    """The prompt-lookup length predicted fastest over everything decoded while tuning
+    (``OnlineTuner.task_tps`` at every point of its sweep grid: a replay of the text, no forward;
+    with verifies that run their own rows, a shorter copy can beat the longest). -> (strategy, its
+    prediction), or ``scored`` where nothing could be priced."""
+    priced = [(s, tuner.task_tps(s)) for s in space.sweep(scored[0], ctx)]
+    best = max(((s, v) for s, v in priced if v), key=lambda sv: sv[1], default=None)
+    return best if best is not None else scored
+
+
+def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens: list[int],
+               new: int) -> tuple[int, float] | None:
+    """The tuner's corrected prediction for ``strategy`` on the last ``new`` tokens of ``tokens``
+    (one window over them: prompt lookup replayed, a drafting model's matchness in one forward,
+    from ``decoder``, which just decoded them) -> (tokens, predicted seconds), or None where its
+    drafter cannot score there."""
+    if new < 4:
+        return None
+    got = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, strategy, tokens)
+    if got is None or got[0].tokens_per_s <= 0:
+        return None
+    tps = got[0].tokens_per_s * tuner.correction(strategy)
+    return new, new / tps
 
 
 def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[list[int]], cfg: GenerationConfig,
@@ -411,8 +447,14 @@ def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[li
     for decoder in decoders.values():
         decoder.generate(prompts[0], warm)
 
+    by_strategy = {c.strategy: c for c in others}
+
     def decode(strategy: Strategy, ids: list[int]) -> tuple[list[int], DecodeStats]:
         result = decoders[strategy].generate(ids, cfg)
+        if strategy in by_strategy:  # priced on the text it just decoded (not timed: after its run)
+            priced = price_text(tuner, decoders[strategy], strategy, ids + result.tokens, len(result.tokens))
+            if priced is not None:
+                by_strategy[strategy].priced.append(priced)
         return result.tokens, result.stats
 
     judge_on(prompts, [plain, *others], decode)

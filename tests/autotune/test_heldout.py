@@ -121,9 +121,9 @@ def test_the_order_rotates_prompt_by_prompt():
 
 
 # ---------------------------------------------------------------------- pricing prompt lookup
-def recurring_text(rate: float, n_segments: int = 80, seed: int = 0) -> list[int]:
-    """Segments of 12 tokens: with probability ``rate`` a copy of an earlier segment, else fresh
-    tokens (never seen before)."""
+def recurring_text(rate: float, n_segments: int = 80, seed: int = 0, seg: int = 12) -> list[int]:
+    """Segments of ``seg`` tokens: with probability ``rate`` a copy of an earlier segment, else
+    fresh tokens (never seen before)."""
     rng = random.Random(seed)
     segments: list[list[int]] = []
     fresh = 1000
@@ -131,8 +131,8 @@ def recurring_text(rate: float, n_segments: int = 80, seed: int = 0) -> list[int
         if segments and rng.random() < rate:
             segments.append(list(rng.choice(segments)))
         else:
-            segments.append(list(range(fresh, fresh + 12)))
-            fresh += 12
+            segments.append(list(range(fresh, fresh + seg)))
+            fresh += seg
     return [t for seg in segments for t in seg]
 
 
@@ -188,3 +188,28 @@ def test_lookup_pricing_rises_with_recurrence_and_pays_for_its_rows():
     match = lookup_match(tokens, 600, 12)
     per_row = FixedCostModel(draft_full_s=0.0, verify_const_s=1.0, verify_row_s=0.25)
     assert predict_lookup(LOOKUP, match, per_row).tokens_per_s < predict_lookup(LOOKUP, match, cost).tokens_per_s
+
+
+def test_the_lookup_runner_up_is_priced_over_every_tuned_output():
+    """The lookup length stored for the held-out check is the one predicted fastest over all the
+    text decoded while tuning: where copies run 4 tokens, the longest where a verify costs the
+    same at any width (padded), a shorter one where every row costs (a quantised target's verify
+    runs its own rows)."""
+    import optuna
+
+    from autotune.tuning.study import best_lookup
+    from autotune.tuning.tuner import OnlineTuner, TunerSettings
+    from search_spaces.spaces import SpaceContext, get_space
+
+    space, ctx = get_space("lookup"), SpaceContext(n_layers=4, max_draft_length=12)
+    text = recurring_text(0.5, n_segments=200, seed=3, seg=4)
+    picks = {}
+    for name, cost in (("flat", FixedCostModel(draft_full_s=0.0, verify_const_s=1.0)),
+                       ("per row", FixedCostModel(draft_full_s=0.0, verify_const_s=1.0, verify_row_s=0.4))):
+        tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"), cost, TunerSettings())
+        tuner.decoded = [(200, text[:500]), (100, text[500:])]
+        seed = Strategy(drafter="prompt-lookup", draft_length=12)
+        picks[name] = best_lookup(tuner, space, ctx, (seed, 1.0))
+        assert picks[name][1] == max(tuner.task_tps(s) or 0 for s in space.sweep(seed, ctx))
+    assert picks["flat"][0].draft_length == 12
+    assert picks["per row"][0].draft_length < 12

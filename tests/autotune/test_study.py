@@ -243,6 +243,11 @@ def test_held_out_prompts_are_never_tuned_on(capsys, tmp_path, monkeypatch):
     assert held["prompts"] == 1 and held["in_sample"] is False and report["tuned_prompts"] == 2
     assert "weak check" in out and "held-out speedup" in out
     assert all(len(c["speedups"]) == 1 for c in held["candidates"])
+    for c in held["candidates"][1:]:  # each speculating candidate priced on the text it decoded there
+        assert c["text_predicted_tps"] is None or c["text_predicted_tps"] > 0
+    stored = report["tuner"]["stored"]
+    assert stored["decode_tps"] > 0 and stored["on"] == "held-out prompts"
+    assert "predicted / measured" in out
     (summary,) = optuna.get_all_study_summaries(storage=store)
     attrs = optuna.load_study(study_name=summary.study_name, storage=store).user_attrs
     assert attrs["heldout"]["candidates"][0]["label"] == "plain"
