@@ -374,7 +374,9 @@ def _resume(study: optuna.Study, space: SearchSpace, ctx: SpaceContext) -> Strat
 def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> list[tuple[Strategy, float]]:
     """The tuner's best-scored speculating trial of each drafter kind other than its incumbent's
     (a near-copy of the incumbent would say little about the task that the incumbent does not);
-    where the space has no other kind, its best other strategy. Where the incumbent is plain
+    where the space has no other kind, its best other strategy. Prompt lookup, where the space
+    has it, is always one (its length priced over every tuned output, ``best_lookup``: a tuner
+    that spent its allowance before asking for it still judges it). Where the incumbent is plain
     decoding, one per speculating kind: the held-out prompts decide between kinds that the tuner's
     windows did not (``auto``: at most the draft model's and prompt lookup's). -> (strategy, its
     corrected score) per kind, best first."""
@@ -395,6 +397,8 @@ def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> lis
         elif same_kind is None:
             same_kind = (s, float(t.value))
     lookup = by_kind.get("prompt-lookup")
+    if lookup is None and best.drafter != "prompt-lookup" and "prompt-lookup" in space.kinds(ctx):
+        lookup = (Strategy(drafter="prompt-lookup", draft_length=ctx.max_draft_length), 0.0)  # never asked
     if lookup is not None:  # its whole grid priced over every tuned output: token work, no forward
         by_kind["prompt-lookup"] = best_lookup(tuner, space, ctx, lookup)
     found = list(by_kind.values())
