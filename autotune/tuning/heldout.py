@@ -84,7 +84,8 @@ class Candidate:
         ups = speedups(self, plain)
         return {"label": self.label, "strategy": self.strategy.to_dict(), "identical": self.identical,
                 "tps": [s.tokens_per_s for s in self.runs], "speedups": ups,
-                "speedup": aggregate_speedup(self, plain), "bound": lower_bound(ups),
+                "speedup": aggregate_speedup(self, plain),
+                "bound": lower_bound(ups) if self.strategy.speculates else 0.0,  # plain's: 0 (the bar)
                 "predicted_tps": self.predicted_tps, "text_predicted_tps": self.text_tps,
                 "decode_tps": self.stats.decode_tokens_per_s,
                 "stats": self.stats.as_dict()}
