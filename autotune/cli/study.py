@@ -171,15 +171,13 @@ def _held_out_text(report: Any) -> str:
 
 
 def _candidates_text(report: Any) -> str:
-    """Each candidate of the held-out judgement: its speed-up and its lower bound."""
-    from autotune.tuning.heldout import aggregate_speedup, describe, lower_bound, speedups
+    """Each candidate of the held-out judgement: its speed-up and its lower bound (as stored)."""
+    from autotune.tuning.heldout import describe
 
-    v = report.verdict
     parts = []
-    for c in v.candidates[1:]:
-        bound = lower_bound(speedups(c, v.plain))
-        shown = f"{math.exp(bound):.2f}x" if bound > -math.inf else "-"
-        parts.append(f"{c.label} ({describe(c.strategy)}): {aggregate_speedup(c, v.plain):.2f}x "
+    for c, d in zip(report.verdict.candidates[1:], report.verdict.as_dict()["candidates"][1:]):
+        shown = f"{math.exp(d['bound']):.2f}x" if d["bound"] > -math.inf else "-"
+        parts.append(f"{c.label} ({describe(c.strategy)}): {d['speedup']:.2f}x "
                      f"(bound {shown}{'' if c.identical else ', output DIFFERED'})")
     return "; ".join(parts) or "none (the tuner kept plain decoding and scored nothing else)"
 
