@@ -29,6 +29,7 @@ from runtime.sampling import SamplingParams, sample
 from runtime.transformer import CausalLM
 from runtime.tree import CompiledTree
 from search_spaces.layer_plan import LayerPlan, easyspec_plan
+from search_spaces.strategy import PLAIN, Strategy
 
 from tests.runtime.distribution import (
     ALPHA, PROMPT, V, Exact, Sample, assert_matches_target, check_speculated, chi_square, exact_joint,
@@ -240,6 +241,49 @@ def _batched(shape: TreeShape) -> Builder:
     return build
 
 
+class Switching:
+    """Decodes its prompt switching strategy between rounds, as the per-request controller does
+    (``autotune.tuning.controller``: ``Decoder.apply`` before a round): a one-token draft-model
+    chain, then prompt lookup, then plain decoding, in turn. Most seeds switch inside the
+    counted tokens (the first round's one-token draft is often rejected)."""
+
+    ORDER = (Strategy(drafter="draft-model", draft_length=1, confidence_threshold=0.0),
+             Strategy(drafter="prompt-lookup", draft_length=3), PLAIN)
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.drafter: Any = decoder.drafter  # sample_joint's recorder wraps this one, not the switching ones
+        self.kinds: list[str] = []  # the drafter kind of every round decoded
+
+    def generate(self, prompt: list[int], config: GenerationConfig, before_round: Any = None) -> Any:
+        self.decoder.apply(self.ORDER[0])
+        rounds = 0
+
+        def switch(dec: Decoder, tokens: list[int], cache: Any, stats: Any) -> None:
+            nonlocal rounds
+            if before_round is not None:
+                before_round(dec, tokens, cache, stats)  # the harness stops once the counted tokens exist
+            dec.apply(self.ORDER[rounds % len(self.ORDER)])
+            self.kinds.append(dec.kind or "none")
+            rounds += 1
+
+        return self.decoder.generate(prompt, config, before_round=switch)
+
+
+def _switching(m: dict[str, torch.nn.Module], _: pytest.MonkeyPatch) -> Case:
+    target = CausalLM(m["target"])
+    decoder = Decoder(target, ModelDrafter(CausalLM(m["draft"]), target.dims.vocab, TreeShape((1,))), 1,
+                      verify_width=4, kind="draft-model")
+    decoder.standby["prompt-lookup"] = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    switching = Switching(decoder)
+
+    def switched_mid_request(exact: Exact, got: Sample) -> None:
+        assert {"draft-model", "prompt-lookup"} <= set(switching.kinds)
+        assert switching.kinds.count("prompt-lookup") > 100, "few seeds reached the switch inside the counted tokens"
+
+    return Case(switching, target, prompt=list(LOOKUP_PROMPT), extra=switched_mid_request)  # type: ignore[arg-type]
+
+
 MODES: dict[str, Builder] = {
     "chain": _draft_case(CHAIN),
     "tree-3-2-1": _draft_case(TREE, branched=True),
@@ -260,6 +304,7 @@ MODES: dict[str, Builder] = {
     "chain-through-tree-verifier": _chain_through_tree_verifier,
     "batched-chain": _batched(CHAIN),
     "batched-tree": _batched(TREE),
+    "switch-between-rounds": _switching,
 }
 
 
@@ -337,3 +382,12 @@ def test_harness_rejects_a_lookup_check_that_always_keeps_the_copy(models, monke
     assert got.stats.drafted > 0 and case.decoder.drafter.lookup_rounds > 0
     result = chi_square(exact, got.counts)
     assert result.pvalue < ALPHA or result.impossible, f"an always-kept copy went unnoticed: {result}"
+
+
+def test_harness_rejects_a_wrong_rule_across_switches(models, monkeypatch):
+    """Power check of the switching case: accepting every draft, in rounds of either drafter, is caught."""
+    monkeypatch.setattr(runtime.decoding, "accept_chain", _accept_every_draft)
+    exact, got = _run(_switching(models, monkeypatch))
+    assert got.stats.drafted > 0
+    result = chi_square(exact, got.counts)
+    assert result.pvalue < ALPHA or result.impossible, f"a wrong rule across switches went unnoticed: {result}"

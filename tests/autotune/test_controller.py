@@ -1,0 +1,225 @@
+"""The per-request controller (issue 30) on tiny random-weight models: it switches between rounds
+to the predicted-fastest strategy, stops speculation that measures slower than plain, and greedy
+output stays token-identical to plain decoding through every switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotune.tuning.controller import ControlSettings, Corrections, RequestController, candidates, \
+    generate_controlled, label
+from autotune.tuning.cost_model import FixedCostModel
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.drafters import ModelDrafter, TreeShape
+from runtime.lookup import PromptLookupDrafter
+from runtime.testing import noisy_copy, tiny_model
+from runtime.transformer import CausalLM
+from search_spaces.errors import SpaceError
+from search_spaces.strategy import PLAIN, Strategy
+
+PROMPT = [5, 17, 3, 88, 42, 7, 9, 61, 12, 30]
+WINDOW = 8
+DIVERGE_AT = 24  # the scripted draft predicts the target's tokens before this many generated tokens
+N_NEW = 72
+CHAIN = Strategy(drafter="draft-model", draft_length=4, confidence_threshold=0.0)
+# decisions from predictions alone: the tiny models' measured seconds are not the fixed cost model's
+NEVER = 10**6
+SETTINGS = ControlSettings(window=WINDOW, guard_tokens=NEVER, max_share=1.0, min_measured=NEVER)
+# a round of plain decoding costs 1 s, a draft forward 0.05 s: drafting pays only while it matches
+COST = FixedCostModel(draft_full_s=0.05, verify_const_s=1.0)
+
+
+class Diverging(CausalLM):
+    """A scripted draft model: the target's own weights (it predicts the target's tokens exactly)
+    until the sequence reaches ``at`` tokens, then a confident wrong token (the target's argmax
+    + 1) at every later position: drafts stop matching half-way through a request."""
+
+    def __init__(self, hf_model: torch.nn.Module, at: int) -> None:
+        super().__init__(hf_model)
+        self.at = at
+
+    def forward(self, tokens, cache, positions=None, mask=None, logits_for=None, plan=None, rel_mask=None):
+        n = int(tokens.shape[0])
+        pos = positions if positions is not None else cache.length + torch.arange(n)
+        logits = super().forward(tokens, cache, positions, mask, logits_for, plan, rel_mask)
+        rows = torch.arange(n)[logits_for] if logits_for is not None else torch.arange(n)
+        late = pos.reshape(-1)[rows] + 1 >= self.at  # the row predicts the token at position pos + 1
+        if bool(late.any()):
+            wrong = (logits.argmax(dim=-1) + 1) % logits.shape[-1]
+            scripted = torch.full_like(logits, -30.0)
+            scripted.scatter_(-1, wrong[:, None], 30.0)
+            logits = torch.where(late[:, None].to(logits.device), scripted, logits)
+        return logits
+
+    __call__ = forward
+
+
+class Counting(CausalLM):
+    """A draft model that counts its scoring forwards (every row's logits over a whole window;
+    drafting and catching up ask for the last row's)."""
+
+    scorings = 0
+
+    def forward(self, tokens, cache, positions=None, mask=None, logits_for=None, plan=None, rel_mask=None):
+        if logits_for is None and int(tokens.shape[0]) >= WINDOW:
+            self.scorings += 1
+        return super().forward(tokens, cache, positions, mask, logits_for, plan, rel_mask)
+
+    __call__ = forward
+
+
+@pytest.fixture(scope="module")
+def hf_target() -> torch.nn.Module:
+    return tiny_model("llama", 40, layers=3)
+
+
+def plain(hf_target) -> list[int]:
+    return Decoder(CausalLM(hf_target)).generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW)).tokens
+
+
+def decoder_with(hf_target, draft: CausalLM, lookup: bool) -> Decoder:
+    target = CausalLM(hf_target)
+    dec = Decoder(target, ModelDrafter(draft, target.dims.vocab, TreeShape((1,) * 4)), 4, verify_width=16,
+                  kind="draft-model")
+    if lookup:
+        dec.standby["prompt-lookup"] = PromptLookupDrafter()
+    return dec
+
+
+def run(hf_target, controlled: bool, draft: CausalLM | None = None, lookup: bool = False,
+        cost: FixedCostModel = COST, prior: Strategy = CHAIN, settings: ControlSettings = SETTINGS):
+    """Decode with ``prior`` (under the controller, or not) -> (tokens, controller or None,
+    [(generated tokens, drafted so far)] after every round)."""
+    draft = draft if draft is not None else Diverging(hf_target, len(PROMPT) + DIVERGE_AT)
+    dec = decoder_with(hf_target, draft, lookup)
+    seen: list[tuple[int, int]] = []
+    cfg = GenerationConfig(max_new_tokens=N_NEW)
+    if not controlled:
+        dec.apply(prior)
+        stats_box = {}
+
+        def hook(d, tokens, cache, stats):
+            stats_box["s"] = stats
+            seen.append((len(tokens) - len(PROMPT), stats.drafted))
+
+        result = dec.generate(PROMPT, cfg, before_round=hook)
+        return result.tokens, None, seen
+    ctl_box: dict[str, RequestController] = {}
+
+    def make_hook(ctl):
+        def hook(d, tokens, cache, stats):
+            seen.append((len(tokens) - len(PROMPT), stats.drafted))
+            ctl.before_round(d, tokens, cache, stats)
+        return hook
+
+    dec.apply(prior)
+    ctl = RequestController(prior, dec, cost, len(PROMPT), settings, Corrections())
+    ctl_box["c"] = ctl
+    result = dec.generate(PROMPT, cfg, before_round=make_hook(ctl))
+    return result.tokens, ctl, seen
+
+
+def drafted_after(seen: list[tuple[int, int]], generated: int) -> int:
+    """Tokens drafted by rounds that started once ``generated`` tokens existed."""
+    before = max((d for g, d in seen if g <= generated), default=0)
+    return seen[-1][1] - before if seen else 0
+
+
+def switched_to_plain_within_two_windows(seen: list[tuple[int, int]]) -> bool:
+    return drafted_after(seen, DIVERGE_AT + 2 * WINDOW) == 0
+
+
+# ---------------------------------------------------------------------------------- the controller
+def test_diverging_drafts_switch_to_plain_within_two_windows(hf_target):
+    tokens, ctl, seen = run(hf_target, controlled=True)
+    assert tokens == plain(hf_target)
+    assert drafted_after([(0, 0)] + seen, 0) > 0  # it speculated while the drafts matched ...
+    assert seen[[g for g, _ in seen].index(next(g for g, _ in seen if g >= DIVERGE_AT))][1] > 0
+    assert ctl.current == PLAIN and ctl.switches >= 1  # ... and went plain once they did not
+    assert switched_to_plain_within_two_windows(seen), ctl.decisions
+    assert ctl.decisions[0].chose == label(CHAIN) and not ctl.decisions[0].switched  # kept while it matched
+
+
+def test_without_the_controller_the_diverging_draft_keeps_drafting(hf_target):
+    """The check above fails when nothing controls the request: the draft keeps drafting after
+    it stopped matching (the test's power)."""
+    tokens, _, seen = run(hf_target, controlled=False)
+    assert tokens == plain(hf_target)
+    assert not switched_to_plain_within_two_windows(seen)
+
+
+def test_speculation_measured_slower_than_plain_stops_for_the_request(hf_target):
+    """Predictions favour drafting (a free draft, a near-free verify) but plain decoding is priced
+    at 1 us a token: every speculative round measures slower, so the guard stops it for good."""
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1e-6)
+    draft = CausalLM(noisy_copy(hf_target, 0.02, 1))
+    settings = ControlSettings(window=WINDOW, guard_tokens=WINDOW, max_share=1.0, min_measured=NEVER)
+    tokens, ctl, seen = run(hf_target, controlled=True, draft=draft, cost=cost, settings=settings)
+    assert tokens == plain(hf_target)
+    assert ctl.stopped and ctl.current == PLAIN
+    assert [d.reason for d in ctl.decisions if d.switched] == ["guard"]
+    stop_at = next(d.at for d in ctl.decisions if d.reason == "guard")
+    assert drafted_after(seen, stop_at) == 0 and drafted_after([(0, 0)] + seen, 0) > 0
+
+
+@pytest.mark.parametrize("prior", [
+    CHAIN,
+    Strategy(drafter="draft-model", draft_length=4, tree_widths=(2, 2, 1, 1), confidence_threshold=0.0),
+    Strategy(drafter="prompt-lookup", draft_length=6),
+], ids=["chain", "tree", "lookup"])
+def test_greedy_output_is_identical_through_switches(hf_target, prior):
+    """A draft that matches, then does not, with lookup on standby: whatever the controller
+    switches to, between rounds, the tokens are plain decoding's."""
+    tokens, ctl, seen = run(hf_target, controlled=True, lookup=True, prior=prior)
+    assert tokens == plain(hf_target)
+    assert ctl.decisions and ctl.switches >= 1, ctl.decisions
+    assert seen[-1][1] > 0  # something was drafted
+
+
+def test_generate_controlled_leaves_the_decoder_on_its_prior(hf_target):
+    dec = decoder_with(hf_target, Diverging(hf_target, len(PROMPT) + DIVERGE_AT), lookup=False)
+    result, ctl = generate_controlled(dec, PROMPT, GenerationConfig(max_new_tokens=N_NEW), CHAIN, COST, SETTINGS)
+    assert result.tokens == plain(hf_target) and ctl.switches >= 1
+    assert dec.kind == "draft-model" and dec.draft_length == CHAIN.draft_length
+    summary = ctl.summary(decode_s=result.stats.wall_s)
+    assert summary["prior"] == "draft-model-4" and summary["final"] == "plain" and summary["switches"] == ctl.switches
+    assert 0 <= summary["scoring_share"]
+
+
+def test_scoring_a_drafting_model_stays_within_its_share(hf_target):
+    """With a 2% share the drafting model is scored at the first window, then only once decode
+    time has paid for it: fewer scoring forwards than with no limit, where every window scores."""
+
+    def scorings(share: float) -> tuple[int, int]:
+        draft = Counting(noisy_copy(hf_target, 0.02, 1))
+        settings = ControlSettings(window=WINDOW, guard_tokens=NEVER, max_share=share, min_measured=NEVER)
+        cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1e-6)
+        tokens, ctl, _ = run(hf_target, controlled=True, draft=draft, cost=cost, settings=settings)
+        assert tokens == plain(hf_target) and ctl.current == CHAIN
+        return draft.scorings, len(ctl.decisions)
+
+    unlimited, windows = scorings(1.0)
+    assert unlimited == windows >= 6
+    limited, _ = scorings(0.02)
+    assert 1 <= limited < unlimited
+
+
+# ---------------------------------------------------------------------------------- candidates
+def test_candidates_are_the_prior_plain_lookup_and_cheap_neighbours():
+    tree = Strategy(drafter="draft-model", draft_length=6, tree_widths=(2, 2, 1, 1, 1, 1))
+    got = candidates(tree, width=24, kinds=["draft-model", "prompt-lookup"], lookup_length=8)
+    chain = Strategy(drafter="draft-model", draft_length=6)
+    assert got == [tree, PLAIN, Strategy(drafter="prompt-lookup", draft_length=8), chain,
+                   Strategy(drafter="draft-model", draft_length=3)]
+    # no lookup drafter on the decoder, a narrow verify: lookup is cut, the tree does not fit
+    assert candidates(chain, width=7, kinds=["draft-model"], lookup_length=8) == [
+        chain, PLAIN, Strategy(drafter="draft-model", draft_length=3)]
+    assert candidates(PLAIN, width=5, kinds=["prompt-lookup"], lookup_length=8) == [
+        PLAIN, Strategy(drafter="prompt-lookup", draft_length=4)]
+    assert [label(s) for s in got] == ["draft-model-tree-6", "plain", "lookup-8", "draft-model-6", "draft-model-3"]
+
+
+@pytest.mark.parametrize("bad", [dict(window=0), dict(margin=1.0), dict(max_share=0.0), dict(guard_tokens=True)])
+def test_settings_are_validated(bad):
+    with pytest.raises(SpaceError, match="request control setting"):
+        ControlSettings(**bad)
