@@ -165,7 +165,7 @@ def build_decoder(
     drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
     if drafter is None and not standby:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(_compiled(lm, pool))
-    nodes = max(s.max_tree_nodes for s in (strategy, *standby))
+    nodes = max(s.max_tree_nodes for s in (strategy, *standby) if s.speculates)  # plain decoding drafts none
     width = verify_width or nodes + 1
     if width < nodes + 1:
         raise RuntimeUserError(f"verify width {width} is too small for a strategy with {nodes} draft nodes")

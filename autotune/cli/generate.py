@@ -26,9 +26,15 @@ def add_parser(sub: Any) -> None:
         "--strategy", help="best (stored for this model, draft, task and hardware), default, or a strategy JSON file"
     )
     p.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
+    p.add_argument("--adapt", action="store_true",
+                   help="start each prompt with the strategy, then switch between rounds to what the prompt's own "
+                        "tokens show is fastest (plain, prompt lookup, a shorter chain) and stop speculating where it "
+                        "measured slower than plain; the output is the same tokens either way")
 
 
 def run(args: argparse.Namespace) -> int:
+    from autotune.tuning.controller import ControlSettings, Corrections, controller_cost, generate_controlled, \
+        lookup_candidate
     from runtime.pipeline import build_decoder, eos_ids
 
     check_common(args)
@@ -38,17 +44,32 @@ def run(args: argparse.Namespace) -> int:
     pool, target, strategy = load_models(args)
     prompts = tokenize(items, target.tokenizer)
     cfg = generation_config(args, eos_ids(target))
-    decoder = build_decoder(pool, target, strategy, args.draft)
+    control = ControlSettings() if args.adapt else None
+    standby = []
+    if control is not None and strategy.drafter != "prompt-lookup":
+        look = lookup_candidate(control.lookup_length, max(strategy.max_tree_nodes, control.lookup_length) + 1)
+        standby = [look] if look is not None else []
+    decoder = build_decoder(pool, target, strategy, args.draft, standby=standby)
     for pid, ids in prompts:
         decoder.check_fits(len(ids), cfg)
+    cost, corrections = (controller_cost(decoder), Corrections()) if control is not None else (None, None)
     for pid, ids in prompts:
-        result = decoder.generate(ids, cfg)
+        summary = None
+        if control is not None:
+            result, ctl = generate_controlled(decoder, ids, cfg, strategy, cost, control, corrections)
+            summary = ctl.summary(decode_s=result.stats.wall_s - result.stats.prefill_s)
+        else:
+            result = decoder.generate(ids, cfg)
         text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
         if args.json:
-            print(json.dumps({"id": pid, "text": text, "tokens": result.tokens, "stats": result.stats.as_dict()}))
+            row = {"id": pid, "text": text, "tokens": result.tokens, "stats": result.stats.as_dict()}
+            if summary is not None:
+                row["control"] = summary
+            print(json.dumps(row))
         else:
             s = result.stats
             print(text)
+            adapted = f", {summary['prior']} -> {summary['final']} ({summary['switches']} switches)" if summary else ""
             print(f"[{pid}] {s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, alpha {s.acceptance_rate:.2f}, "
-                  f"M {s.mean_accepted:.2f}", file=sys.stderr)
+                  f"M {s.mean_accepted:.2f}{adapted}", file=sys.stderr)
     return 0

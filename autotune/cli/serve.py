@@ -32,6 +32,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
                    help="on SIGTERM the waiting requests get 503 at once and the running one has S seconds "
                         f"to finish before it is stopped; then the process exits 0 (default {GRACE_S:g})")
+    p.add_argument("--no-request-control", dest="request_control", action="store_false",
+                   help="routed requests keep their route's strategy to the end (default: each request switches, "
+                        "between rounds, to what its own tokens show is fastest, and stops speculating where that "
+                        "measured slower than plain decoding)")
     _add_limit_args(p)
     _add_adaptive_args(p)
 
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
         adaptive=adaptive, grace_s=args.grace, max_batch=args.max_batch, max_context=args.max_context,
-        max_batch_rows=args.max_batch_rows, limits=Limits(
+        max_batch_rows=args.max_batch_rows, request_control=args.request_control, limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout),
     ))

@@ -123,6 +123,8 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
         "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
         "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
     }
+    if job.control is not None:  # routed: what its controller did (prior, final strategy, switches, scoring time)
+        out["control"] = job.control
     if token_ids:
         out["token_ids"] = outcome.tokens
     return out

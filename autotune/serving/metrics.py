@@ -60,6 +60,14 @@ class ServingMetrics:
                                     "request, 1 + drafted per speculative one)", buckets=ROW_BUCKETS, registry=r)
         self.draft_length = Histogram(f"{PREFIX}step_draft_tokens", "Tokens drafted per request and step, by route",
                                       route, buckets=ROW_BUCKETS, registry=r)
+        self.switches = Counter(f"{PREFIX}request_strategy_switches", "Strategy switches inside requests (the "
+                                "per-request controller), by route", route, registry=r)
+        self.controlled = Counter(f"{PREFIX}controlled_requests", "Requests the per-request controller drove, by route "
+                                  "and final strategy", route + ["final"], registry=r)
+        self.speculation_stopped = Counter(f"{PREFIX}speculation_stopped", "Requests whose speculation measured slower "
+                                           "than plain decoding and stopped", route, registry=r)
+        self.control_seconds = Counter(f"{PREFIX}request_control_seconds", "Time the per-request controllers spent "
+                                       "scoring", route, registry=r)
         self.strategy = Info(f"{PREFIX}route_strategy", "The strategy each route decodes with", route, registry=r)
 
     def observe(self, route: str, stats: DecodeStats, finish_reason: str, latency_s: float, ttft_s: float,
@@ -85,6 +93,17 @@ class ServingMetrics:
             self.draft_length.labels(r.job.choice.route).observe(n - 1)
         self.batch_size.observe(len(batch))
         self.batch_rows.observe(rows)
+
+    def observe_control(self, job: Any) -> None:
+        """After a controlled request decoded: its switches, final strategy, stop and scoring time."""
+        c, route = job.control, job.choice.route
+        if c is None:
+            return
+        self.switches.labels(route).inc(c["switches"])
+        self.controlled.labels(route, c["final"]).inc()
+        if c["stopped"]:
+            self.speculation_stopped.labels(route).inc()
+        self.control_seconds.labels(route).inc(c["scoring_s"])
 
     def set_strategy(self, route: str, label: str, strategy_json: str) -> None:
         self.strategy.labels(route).info({"strategy": label, "json": strategy_json})

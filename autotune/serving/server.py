@@ -47,6 +47,7 @@ class ServeConfig:
     max_batch: int | None = None  # requests decoded side by side; None: what memory allows, at most MAX_BATCH
     max_context: int | None = None  # prompt + max_tokens per request; None: the model's context
     max_batch_rows: int | None = None  # target rows one decode step verifies at most; None: no limit
+    request_control: bool = True  # routed requests switch strategy inside the request (``autotune.tuning.controller``)
 
     def __post_init__(self) -> None:
         if not 0 <= self.grace_s < float("inf"):
@@ -100,7 +101,10 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
         job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance),
         max_batch=max_batch, on_step=metrics.observe_step, max_batch_rows=cfg.max_batch_rows)
-    worker.share_width(book.strategies())
+    worker.on_control = metrics.observe_control
+    if not cfg.request_control:
+        worker.control = None
+    worker.share_width(book.strategies() + worker.control_strategies())
     if cfg.adaptive is not None:
         from autotune.serving.adaptive.adaptive import Adapter
 
@@ -109,6 +113,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
+    worker.prepare_control()  # the controllers' cost model, timed now rather than in a request
     if cfg.compile:  # compile while /health says loading, not inside the first requests
         log.info("compiled decode steps built in %.1f s", worker.warm_up(book.strategies()))
     if max_batch > 1:

@@ -5,6 +5,9 @@ strategy (its own decoder: drafter state, KV cache, generator), one round per st
 (``runtime.batching.batch_round``: each drafts, then one target forward verifies every sequence's
 rows). A request joins between steps (its prefill runs then, one at a time, in arrival order) and
 leaves when it is done; a request decoding alone runs exactly ``Decoder.generate``'s round. A
+routed request (``auto``) is driven by its own controller (``autotune.tuning.controller``): from
+its route's strategy, it switches between rounds to what its own tokens show is fastest, and stops
+speculating where that measured slower than plain decoding; explicit choices decode as asked. A
 request that re-tunes its route decodes alone, driven by its tuner, while the batch waits. Decoders
 are built from the shared ``ModelPool`` (the weights once), one per running request of a strategy.
 A request whose client went away is skipped, or leaves the batch at the next step.
@@ -31,6 +34,9 @@ import torch
 
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
+from autotune.tuning.controller import ControlSettings, Corrections, RequestController, controller_cost, \
+    lookup_candidate
+from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
@@ -40,6 +46,7 @@ from runtime.transformer import CausalLM
 from runtime.stats import DecodeStats
 from search_spaces.strategy import PLAIN, Strategy
 
+EXPLICIT_ROUTES = ("plain", "default", "id")  # a client's explicit choice: decoded as asked, never switched
 MAX_DECODERS = 8  # decoders kept per worker (each holds its drafter's caches), least recently used out
 RETRY_AFTER_S = 1  # what a 503 for a full queue, or from a draining server, suggests
 FAILING_AFTER = 3  # internal decode failures in a row after which /health answers 503 ("failing")
@@ -95,6 +102,7 @@ class Job:
     hold: threading.Event | None = None
     checked: threading.Event | None = None  # set once that result was checked and handed to the writer
     adapt: Any = None  # the adaptive layer's routing of this request (``Adapter.begin``)
+    control: dict[str, Any] | None = None  # its controller's summary, once decoded (``RequestController.summary``)
 
 
 @dataclass
@@ -103,7 +111,13 @@ class Running:
 
     job: Job
     member: Member
-    strategy: Strategy
+    strategy: Strategy  # the one it started with (its decoder's key)
+    control: RequestController | None = None  # drives its strategy between rounds (routed requests)
+
+    @property
+    def current(self) -> Strategy:
+        """The strategy its next round decodes with."""
+        return self.control.current if self.control is not None else self.strategy
 
 
 class DecodeWorker:
@@ -118,6 +132,11 @@ class DecodeWorker:
         self.on_step = on_step  # after each batched step, with the requests it advanced (metrics)
         self.load_aware = True  # draft lengths shrink with load (``autotune.tuning.load``)
         self.step_cost = StepCost()  # a batched forward's price (``profile_steps``, then the real steps)
+        # per-request control of routed requests (None: off, every request keeps its strategy)
+        self.control: ControlSettings | None = ControlSettings()
+        self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
+        self._costs: dict[int, MeasuredCostModel] = {}  # the controllers' cost model, per drafting model
+        self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
@@ -290,7 +309,11 @@ class DecodeWorker:
                 if self.width_frozen and self.verify_width and width > self.verify_width:
                     raise RuntimeUserError(f"verify width {width} is wider than this server's {self.verify_width}")
                 self.verify_width = width  # the first speculative strategy of a server without one fixes it
-            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width)
+            standby = self._standby(strategy, width)
+            if standby and width is None:
+                width = self.verify_width
+            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width,
+                                standby=standby)
             if width is not None:
                 self.widths.add(width)
             self.decoders[strategy] = dec
@@ -298,6 +321,46 @@ class DecodeWorker:
                 self.decoders.popitem(last=False)
         self.decoders.move_to_end(strategy)
         return dec
+
+    def control_strategies(self) -> list[Strategy]:
+        """What per-request control adds to the strategies served (prompt lookup: every decoder
+        keeps it on standby), for the verify width fixed at start-up."""
+        if self.control is None:
+            return []
+        look = lookup_candidate(self.control.lookup_length, self.control.lookup_length + 1)
+        return [look] if look is not None else []
+
+    def _standby(self, strategy: Strategy, width: int | None) -> list[Strategy]:
+        """Drafters a decoder of ``strategy`` keeps following the sequence for its controller:
+        prompt lookup (no forward, a dict of n-grams), where the verify width leaves it room."""
+        if self.control is None or strategy.drafter == "prompt-lookup":
+            return []
+        look = lookup_candidate(self.control.lookup_length, width or self.verify_width)
+        return [look] if look is not None else []
+
+    def control_cost(self, dec: Decoder) -> MeasuredCostModel:
+        """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
+        model, timed once - at start-up, ``prepare_control`` - then refreshed by every request)."""
+        drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
+        key = id(drafting.model if drafting is not None else dec.target)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = controller_cost(dec)
+        return cost
+
+    def prepare_control(self) -> None:
+        """Time the controllers' cost models now (while ``/health`` says loading), not in a request."""
+        if self.control is None:
+            return
+        for dec in list(self.decoders.values()):
+            cost = self.control_cost(dec)
+            with torch.inference_mode():
+                cost.plain_step_s(), cost.verify_s(), cost.draft_forward_s(None)
+
+    def _controlled(self, job: Job) -> bool:
+        """Routed requests are controlled; an explicit choice (plain, default, a stored id), a
+        request re-tuning its route and one whose strategy this server cannot run decode as chosen."""
+        return self.control is not None and job.choice.route not in EXPLICIT_ROUTES and job.choice.state == "stored"
 
     def _draft_for(self, strategy: Strategy) -> str | None:
         return self.draft if strategy.drafter == "draft-model" else None
@@ -311,14 +374,16 @@ class DecodeWorker:
             if spare:
                 dec = spare.pop()
             else:
-                width = dec.verify_width if strategy.speculates else None
-                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width)
+                width = dec.verify_width if strategy.speculates or dec.standby else None
+                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width,
+                                    standby=self._standby(strategy, width))
         self._in_use.add(id(dec))
         return dec
 
     def release(self, strategy: Strategy, dec: Decoder) -> None:
         self._in_use.discard(id(dec))
         dec.step_cap = None  # a batch's length for its last request is not the next one's
+        dec.apply(strategy)  # its controller may have switched it: the next request starts from its key
         if self.decoders.get(strategy) is not dec:
             spare = self._spare.setdefault(strategy, [])
             if len(spare) < self.max_batch and strategy in self.decoders:
@@ -401,7 +466,11 @@ class DecodeWorker:
             except BaseException:
                 self.release(strategy, dec)
                 raise
-            running = Running(job, Member(dec, seq), strategy)
+            control = None
+            if self._controlled(job):
+                control = RequestController(strategy, dec, self.control_cost(dec), len(job.ids), self.control,
+                                            self.corrections)
+            running = Running(job, Member(dec, seq), strategy, control)
             self._batch.append(running)
             self._solo = None
             if self._after_round(job, seq.out):
@@ -417,6 +486,7 @@ class DecodeWorker:
     def _step(self) -> None:
         """One round for every running request; the finished, stopped and departed ones leave."""
         batch = list(self._batch)
+        self._control(batch)
         self._choose_lengths(batch)
         drafting = sum(r.member.seq.stats.draft_s for r in batch)
         started = time.perf_counter()
@@ -438,16 +508,30 @@ class DecodeWorker:
             if self._after_round(r.job, r.member.seq.out) or r.member.seq.finished:
                 self._leave(r)
 
+    def _control(self, batch: list[Running]) -> None:
+        """Each controlled request's controller, before the step's round (it may switch strategy)."""
+        alone = len(batch) == 1
+        for r in batch:
+            if r.control is None:
+                continue
+            seq = r.member.seq
+            try:
+                r.control.before_round(r.member.decoder, seq.prompt + seq.out, seq.cache, seq.stats, alone=alone)
+            except Exception:  # its strategy stays what it was; the request goes on, uncontrolled
+                log.exception("a request's controller failed; it keeps decoding with %s", r.current.to_json())
+                r.member.decoder.apply(r.current)
+                r.control = None
+
     def _choose_lengths(self, batch: list[Running]) -> None:
         """Each speculative request's draft length this step (``autotune.tuning.load``): its
         strategy's when it decodes alone, the goodput-maximising one in a batch."""
         if len(batch) == 1 or not self.load_aware:
             for r in batch:
-                r.member.decoder.step_cap = _fit_rows(r.strategy, self.max_batch_rows)
+                r.member.decoder.step_cap = _fit_rows(r.current, self.max_batch_rows)
             return
         candidates = []
         for r in batch:
-            s, stats = r.strategy, r.member.seq.stats
+            s, stats = r.current, r.member.seq.stats
             entry = r.job.choice.entry
             prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
             per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
@@ -485,10 +569,14 @@ class DecodeWorker:
         self._batch.remove(r)
         self.release(r.strategy, r.member.decoder)
         stats = r.member.seq.stats
-        if stats.drafted and r.strategy.speculates:
+        if stats.drafted and r.strategy.speculates and (r.control is None or not r.control.switches):
             self.draft_token_s[r.strategy.drafter] = stats.draft_s / stats.drafted
         try:
             result = r.member.seq.result()
+            if r.control is not None:
+                r.job.control = r.control.summary(decode_s=result.stats.wall_s - result.stats.prefill_s)
+                if self.on_control is not None:
+                    self.on_control(r.job)
             if self.adapter is not None:
                 self.adapter.decoded(r.job, result)
             if not r.job.cancelled.is_set():

@@ -79,6 +79,7 @@ from autotune.serving.adaptive.writer import StoreWriter, Write
 from autotune.serving.routing.book import GENERAL_TASK
 from autotune.serving.routing.router import UNKNOWN
 from autotune.serving.routing.terms import as_terms
+from autotune.serving.worker import EXPLICIT_ROUTES
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
 from autotune.store.storage import KeyTaken
@@ -89,7 +90,7 @@ from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
 from search_spaces.strategy import PLAIN, Strategy
 
-ADAPTIVE_ROUTES_EXCLUDED = ("plain", "default", "id")  # explicit choices are served as asked
+ADAPTIVE_ROUTES_EXCLUDED = EXPLICIT_ROUTES  # explicit choices are served as asked
 EVENTS_KEPT = 256
 log = logging.getLogger("autotune.serve")
 
