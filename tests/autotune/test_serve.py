@@ -93,6 +93,32 @@ def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, sto
                 assert info["route"] == mode and info["strategy"] == "plain" and info["drafted"] == 0
 
 
+def test_routed_requests_are_controlled_and_stay_identical(live, pool, smollm):
+    """Routed requests run under their own controller (decisions every 8 tokens here): the
+    response says what it did, the metrics count it, and the tokens are plain decoding's; an
+    explicit choice is decoded as asked, with no controller."""
+    from autotune.tuning.controller import ControlSettings
+
+    worker = live.server.worker
+    before = _metric(live.url, "autotune:controlled_requests_total")
+    saved, worker.control = worker.control, ControlSettings(window=8)
+    try:
+        client = live.client()
+        for task, prior in (("gsm8k", "layer-skip-4"), ("humaneval", "lookup-6")):
+            prompt = task_prompt(task, 16)
+            want = plain_text(pool, smollm, prompt, 48)
+            text, ids, info = chat(client, prompt.messages[0][1], "auto", max_tokens=48)
+            assert (text, ids) == want, task
+            control = info["control"]
+            assert control["prior"] == prior and control["decisions"] >= 4, control
+            assert control["switches"] == len(control["path"]) and 0 <= control["scoring_s"]
+            _, ids, info = chat(client, prompt.messages[0][1], "plain", max_tokens=48)
+            assert ids == want[1] and "control" not in info
+    finally:
+        worker.control = saved
+    assert _metric(live.url, "autotune:controlled_requests_total") == before + 2
+
+
 def test_completions_endpoint_and_unknown_route(live, pool, smollm):
     client = live.client()
     text = "The recipe for a perfect sourdough loaf starts with"
