@@ -34,8 +34,8 @@ import torch
 
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
-from autotune.tuning.controller import ControlSettings, Corrections, RequestController, controller_cost, \
-    lookup_candidate
+from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
+    controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, strategy_rows
 from runtime.batching import Member, batch_round
@@ -135,6 +135,7 @@ class DecodeWorker:
         # per-request control of routed requests (None: off, every request keeps its strategy)
         self.control: ControlSettings | None = ControlSettings()
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
+        self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
         self._costs: dict[int, MeasuredCostModel] = {}  # the controllers' cost model, per drafting model
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
@@ -468,8 +469,10 @@ class DecodeWorker:
                 raise
             control = None
             if self._controlled(job):
+                # where the route's latest requests mostly ended (else its strategy): the request starts there
+                start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.control))
                 control = RequestController(strategy, dec, self.control_cost(dec), len(job.ids), self.control,
-                                            self.corrections)
+                                            self.corrections, start=start)
             running = Running(job, Member(dec, seq), strategy, control)
             self._batch.append(running)
             self._solo = None
@@ -575,6 +578,7 @@ class DecodeWorker:
             result = r.member.seq.result()
             if r.control is not None:
                 r.job.control = r.control.summary(decode_s=result.stats.wall_s - result.stats.prefill_s)
+                self.priors.observe(r.job.choice.route, r.control.current)
                 if self.on_control is not None:
                     self.on_control(r.job)
             if self.adapter is not None:

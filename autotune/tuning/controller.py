@@ -30,6 +30,7 @@ strategy, and the acceptance rules never see the switch.
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -86,6 +87,38 @@ class Corrections:
         self.factor[kind] = ratio if old is None else (1 - CORRECTION_EMA) * old + CORRECTION_EMA * ratio
 
 
+class RoutePriors:
+    """Routes learn from their requests: what each route's latest ``keep`` controlled requests
+    ended on. Once ``quorum`` of them ended on one strategy other than the route's stored one, the
+    route's next requests start there (``start``); their controllers still score the stored
+    strategy and can switch back to it. Bounded: the ``max_routes`` routes seen last."""
+
+    def __init__(self, keep: int = 4, quorum: int = 3, max_routes: int = 256) -> None:
+        if not 1 <= quorum <= keep:
+            raise SpaceError(f"route priors: quorum {quorum} must be in 1..keep ({keep})")
+        self.keep, self.quorum, self.max_routes = keep, quorum, max_routes
+        self._finals: OrderedDict[str, deque[Strategy]] = OrderedDict()
+
+    def observe(self, route: str, final: Strategy) -> None:
+        finals = self._finals.setdefault(route, deque(maxlen=self.keep))
+        finals.append(final)
+        self._finals.move_to_end(route)
+        while len(self._finals) > self.max_routes:
+            self._finals.popitem(last=False)
+
+    def start(self, route: str, stored: Strategy, options: Iterable[Strategy]) -> Strategy:
+        """Where ``route``'s next request starts: ``stored``, or what most of its latest requests
+        ended on when that is one of ``options`` (what its controller can switch to)."""
+        finals = self._finals.get(route)
+        if not finals:
+            return stored
+        (top, n), = Counter(finals).most_common(1)
+        return top if n >= self.quorum and top != stored and top in set(options) else stored
+
+    def describe(self) -> dict[str, list[str]]:
+        return {route: [label(s) for s in finals] for route, finals in self._finals.items()}
+
+
 def lookup_candidate(length: int, width: int) -> Strategy | None:
     """Prompt lookup of ``length`` tokens, cut to fit a verify of ``width`` rows (None: no room)."""
     k = min(length, width - 1)
@@ -114,6 +147,12 @@ def candidates(prior: Strategy, width: int, kinds: Iterable[str], lookup_length:
     fits = [s for s in dict.fromkeys(out)
             if not s.speculates or (s.drafter in have and s.max_tree_nodes + 1 <= width)]
     return fits if prior in fits else [prior]
+
+
+def decoder_options(prior: Strategy, decoder: Decoder, settings: ControlSettings) -> list[Strategy]:
+    """``candidates`` of ``prior`` that ``decoder`` can switch to (its drafters, its verify width)."""
+    kinds = ([decoder.kind] if decoder.kind else []) + list(decoder.standby)
+    return candidates(prior, decoder.verify_width, kinds, settings.lookup_length)
 
 
 @dataclass
@@ -151,15 +190,20 @@ class RequestController:
 
     def __init__(self, prior: Strategy, decoder: Decoder, cost: CostModel, prompt_len: int,
                  settings: ControlSettings = ControlSettings(), corrections: Corrections | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None) -> None:
+        """``prior``: the route's strategy (its candidates are built around it); ``start``: where
+        decoding starts when not there (``RoutePriors``; one of the candidates, applied here)."""
         self.prior, self.cost, self.settings, self.clock = prior, cost, settings, clock
         self.corrections = corrections if corrections is not None else Corrections()
-        kinds = [k for k in ([decoder.kind] if decoder.kind else []) + list(decoder.standby)]
-        self.options = candidates(prior, decoder.verify_width, kinds, settings.lookup_length)
+        self.options = decoder_options(prior, decoder, settings)
         self.horizon = max([s.draft_length for s in self.options if s.speculates] or [1])
         self.window = Window(settings.window, self.horizon, cost)
         self.prompt_len = prompt_len
         self.current = prior
+        if start is not None and start != prior and start in self.options:
+            decoder.apply(start)
+            self.current = start
+        self.started_with = self.current
         self.stopped = False  # speculation measured slower than plain: plain for the rest of the request
         self.decisions: list[Decision] = []
         self.switches = 0
@@ -313,7 +357,8 @@ class RequestController:
         """The response's ``autotune.control`` object: the prior, the final strategy, the switches,
         whether speculation stopped, and what scoring cost (seconds, and its share of ``decode_s``)."""
         out: dict[str, Any] = {
-            "prior": label(self.prior), "final": label(self.current), "switches": self.switches,
+            "prior": label(self.prior), "start": label(self.started_with), "final": label(self.current),
+            "switches": self.switches,
             "stopped": self.stopped, "decisions": len(self.decisions), "scoring_s": round(self.scoring_s, 4),
             "path": [d.chose for d in self.decisions if d.switched],
         }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.tuning.controller import ControlSettings, Corrections, RequestController, candidates, \
+from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, candidates, \
     generate_controlled, label
 from autotune.tuning.cost_model import FixedCostModel
 from runtime.decoding import Decoder, GenerationConfig
@@ -223,3 +223,40 @@ def test_candidates_are_the_prior_plain_lookup_and_cheap_neighbours():
 def test_settings_are_validated(bad):
     with pytest.raises(SpaceError, match="request control setting"):
         ControlSettings(**bad)
+
+
+# ---------------------------------------------------------------------------------- route priors
+def test_a_route_starts_where_most_of_its_latest_requests_ended():
+    look = Strategy(drafter="prompt-lookup", draft_length=8)
+    options = candidates(CHAIN, width=16, kinds=["draft-model", "prompt-lookup"], lookup_length=8)
+    priors = RoutePriors(keep=4, quorum=3)
+    assert priors.start("gsm8k", CHAIN, options) == CHAIN  # nothing seen yet
+    for final in (PLAIN, CHAIN, PLAIN):
+        priors.observe("gsm8k", final)
+    assert priors.start("gsm8k", CHAIN, options) == CHAIN  # 2 of 3: no quorum
+    priors.observe("gsm8k", PLAIN)
+    assert priors.start("gsm8k", CHAIN, options) == PLAIN  # 3 of the latest 4
+    assert priors.start("humaneval", CHAIN, options) == CHAIN  # routes are apart
+    for _ in range(3):
+        priors.observe("gsm8k", look)
+    assert priors.start("gsm8k", CHAIN, options) == look  # it follows the latest requests
+    assert priors.start("gsm8k", CHAIN, [CHAIN, PLAIN]) == CHAIN  # only where the request can decode it
+    assert priors.describe()["gsm8k"] == ["plain", "lookup-8", "lookup-8", "lookup-8"]
+
+
+def test_route_priors_are_bounded():
+    priors = RoutePriors(max_routes=3)
+    for i in range(10):
+        priors.observe(f"r{i}", PLAIN)
+    assert list(priors.describe()) == ["r7", "r8", "r9"]
+
+
+def test_a_controller_starts_at_its_start_and_still_scores_the_prior(hf_target):
+    dec = decoder_with(hf_target, CausalLM(noisy_copy(hf_target, 0.02, 1)), lookup=True)
+    dec.apply(CHAIN)
+    ctl = RequestController(CHAIN, dec, COST, len(PROMPT), SETTINGS, start=PLAIN)
+    assert ctl.current == PLAIN and dec.kind is None and CHAIN in ctl.options
+    result = dec.generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW), before_round=ctl.before_round)
+    assert result.tokens == plain(hf_target)
+    assert ctl.summary()["start"] == "plain" and ctl.summary()["prior"] == "draft-model-4"
+    assert ctl.current != PLAIN and result.stats.drafted > 0  # the noisy copy matches: back to drafting
