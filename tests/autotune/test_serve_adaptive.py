@@ -329,3 +329,25 @@ def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request, 
             _, ids, info = chat(live_b.client(), text, max_tokens=tokens)
             assert info["route"] == "humaneval" and ids == plain_ids(pool, smollm, text, tokens)
             assert (info["drafted"] > 0) == stored.strategy.speculates  # B decodes with A's result
+
+
+def test_instruction_is_the_template_part_or_the_first_sentence():
+    from autotune.serving.adaptive.clusters import instruction
+
+    assert instruction("Summarise the following article in one sentence.\n\nArticle:\nThe trailer...") == \
+        "Summarise the following article in one sentence."
+    assert instruction(TRANSLATE[0]) == "Translate this sentence into French, keeping its tone:"
+    assert instruction("Where is the White House? It is not red.") == "Where is the White House?"
+    assert instruction("no end at all") == "no end at all"
+
+
+def test_pending_clusters_group_unknown_categories_by_task_form():
+    """The mixed stream's XSum, NQ-open and ASDiv requests (prompts 20-31, stream order): one
+    cluster per category (adjusted Rand index >= 0.8). Content words alone do not get there:
+    article summaries share their instruction, not their words."""
+    from autotune.serving.adaptive.cluster_eval import UNKNOWN_TASKS, content_only, score
+
+    ari, n_clusters = score(UNKNOWN_TASKS)
+    assert ari >= 0.8 and n_clusters == 3
+    words_ari, words_clusters = score(UNKNOWN_TASKS, vectors=content_only)
+    assert words_ari < 0.8 and words_clusters > 3
