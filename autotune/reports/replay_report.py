@@ -6,7 +6,9 @@ Everything here is a pure function of replay records
 tokens / total decode time (each request's tokens over its tok/s), acceptance is accepted /
 drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
 changes of the strategy label between consecutive requests of a category, and tuning counts
-requests answered while their route re-tuned.
+requests answered while their route re-tuned. For requests a controller drove (``auto`` on a
+server with request control): the share of them whose controller switched strategy, their final
+strategies, and the controller's cost (its scoring time over their decode time).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
     rounds = sum(r.draft_rounds for r in records)
     routes = Counter(str(r.route) for r in records)
     n = len(records)
+    controlled = [r for r in records if r.control_switches is not None]
+    control_decode_s = sum(r.decode_s for r in controlled)
     return {
         "requests": n, "completion_tokens": tokens, "decode_s": decode_s,
         "tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
@@ -55,6 +59,10 @@ def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
         "route": routes.most_common(1)[0][0] if routes else None, "routes": dict(routes.most_common()),
         "strategies": dict(Counter(r.strategy for r in records).most_common()),
         "switches": switches(records), "tuning_requests": sum(r.state == "tuning" for r in records),
+        "controlled": len(controlled),
+        "controller_switched": sum(bool(r.control_switches) for r in controlled) / len(controlled) if controlled else None,
+        "controller_finals": dict(Counter(str(r.control_final) for r in controlled).most_common()),
+        "controller_share": sum(r.control_s for r in controlled) / control_decode_s if control_decode_s > 0 else None,
         "mean_ttft_s": sum(r.ttft_s for r in records) / n if n else 0.0,
         "mean_latency_s": sum(r.latency_s for r in records) / n if n else 0.0,
     }
@@ -120,12 +128,15 @@ def format_table(report: Mapping[str, Any]) -> str:
     cfg = report.get("config") or {}
     title = "replay" + (f" {cfg['stream']} on {cfg['url']}" if cfg else "")
     table = Table(title=title, caption=_caption(report))
-    for col in ("category", "mode", "requests", "tok/s", "acceptance", "M", "route", "switches", "tuning", "differ"):
+    for col in ("category", "mode", "requests", "tok/s", "acceptance", "M", "route", "switches", "tuning",
+                "switched in request", "control cost", "differ"):
         table.add_column(col, justify="left" if col in ("category", "mode", "route") else "right")
     for r in report["rows"]:
+        switched, cost = r.get("controller_switched"), r.get("controller_share")
         table.add_row(r["category"], r["mode"], str(r["requests"]), f"{r['tokens_per_s']:.2f}",
                       f"{r['acceptance']:.2f}", f"{r['mean_accepted']:.2f}", _route_text(r), str(r["switches"]),
-                      str(r["tuning_requests"]), str(r["differ"]),
+                      str(r["tuning_requests"]), "-" if switched is None else f"{switched:.0%}",
+                      "-" if cost is None else f"{cost:.2%}", str(r["differ"]),
                       end_section=r["mode"] == report["modes"][-1])
     console = Console(width=140, record=True)
     with console.capture() as cap:

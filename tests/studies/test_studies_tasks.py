@@ -26,14 +26,14 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 
 def test_registry_names_and_protocol() -> None:
-    assert sorted(TASKS) == ["asdiv", "gsm8k", "humaneval", "mt-bench", "nq-open", "prompts", "xsum"]
+    assert sorted(TASKS) == ["asdiv", "gsm8k", "humaneval", "mt-bench", "nq-open", "prompts", "translation", "xsum"]
     for name, task in TASKS.items():
         assert isinstance(task, Task) and task.name == name and task.summary
         assert get_task(name) is task
 
 
 def test_unknown_task_lists_known() -> None:
-    with pytest.raises(TaskError, match=r"unknown task 'gsm9k'; known tasks: asdiv, gsm8k, humaneval, mt-bench, nq-open, prompts, xsum"):
+    with pytest.raises(TaskError, match=r"unknown task 'gsm9k'; known tasks: asdiv, gsm8k, humaneval, mt-bench, nq-open, prompts, translation, xsum"):
         get_task("gsm9k")
     with pytest.raises(TaskError, match="unknown task 'GSM8K'"):
         load_prompts("GSM8K")  # exact lookups only
