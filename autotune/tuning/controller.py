@@ -271,14 +271,13 @@ class RequestController:
         if measured is not None and self._predicted and self.current.speculates:
             self.corrections.observe(self.current.drafter, measured / self._predicted)
         scores: dict[Strategy, float] = {}
-        predictions: dict[Strategy, float] = {}
+        raw: dict[Strategy, float] = {}  # uncorrected predictions (what a measurement corrects)
         model_s, may_model = 0.0, self._may_score_model()
         for s in self.options:
-            if s == self.current and measured is not None and (s.drafter not in MODEL_KINDS or not may_model):
-                scores[s] = measured  # what it decoded beats a prediction; no forward spent on it
-                continue
             if s.drafter in MODEL_KINDS and not may_model:  # its latest prediction stands until scored again
-                if s in self._known:
+                if s == self.current and measured is not None:
+                    scores[s] = measured
+                elif s in self._known:
                     scores[s] = self._known[s]
                 continue
             started = self.clock()
@@ -287,8 +286,10 @@ class RequestController:
                 model_s += self.clock() - started
             if p is None:
                 continue
-            predictions[s] = self._known[s] = p
-            scores[s] = measured if (s == self.current and measured is not None) else p
+            raw[s] = p
+            scores[s] = self._known[s] = p * self.corrections.get(s.drafter) if s.speculates else p
+            if s == self.current and measured is not None:
+                scores[s] = measured  # what it decoded beats a prediction
         if model_s > 0:
             self._model_s = model_s
         scores.setdefault(PLAIN, plain_tps)
@@ -299,7 +300,7 @@ class RequestController:
             self._switch(decoder, best, generated, named, reason)
         else:
             self.decisions.append(Decision(generated, named, label(best), False, reason))
-        self._predicted = predictions.get(best)
+        self._predicted = raw.get(best)
         self._stretch = _Stretch()
 
     def _choose(self, scores: dict[Strategy, float]) -> Strategy:
@@ -317,7 +318,7 @@ class RequestController:
         return best
 
     def _predict(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> float | None:
-        """Predicted tokens/s of ``strategy`` on the latest window, times its kind's correction."""
+        """Predicted tokens/s of ``strategy`` on the latest window (before its kind's correction)."""
         if not strategy.speculates:
             return 1.0 / self.cost.plain_step_s()
         try:
@@ -326,7 +327,7 @@ class RequestController:
             return None
         if got is None:
             return None
-        return got[0].tokens_per_s * self.corrections.get(strategy.drafter)
+        return got[0].tokens_per_s
 
     def _may_score_model(self) -> bool:
         """Scoring a drafting model costs a forward: only while the budget covers it (the first
