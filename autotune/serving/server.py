@@ -104,6 +104,8 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     worker.on_control = metrics.observe_control
     if not cfg.request_control:
         worker.control = None
+    elif book.default.speculates:  # every controlled request may reach the server's default strategy
+        worker.also = (book.default,)
     worker.share_width(book.strategies() + worker.control_strategies())
     if cfg.adaptive is not None:
         from autotune.serving.adaptive.adaptive import Adapter
@@ -113,7 +115,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
-    worker.prepare_control()  # the controllers' cost model, timed now rather than in a request
+    worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
     if cfg.compile:  # compile while /health says loading, not inside the first requests
         log.info("compiled decode steps built in %.1f s", worker.warm_up(book.strategies()))
     if max_batch > 1:

@@ -136,7 +136,10 @@ class DecodeWorker:
         self.control: ControlSettings | None = ControlSettings()
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
-        self._costs: dict[int, MeasuredCostModel] = {}  # the controllers' cost model, per drafting model
+        # a candidate of every controlled request besides its own (the server's default strategy):
+        # its drafter follows every decoder on standby
+        self.also: tuple[Strategy, ...] = ()
+        self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -333,28 +336,44 @@ class DecodeWorker:
 
     def _standby(self, strategy: Strategy, width: int | None) -> list[Strategy]:
         """Drafters a decoder of ``strategy`` keeps following the sequence for its controller:
-        prompt lookup (no forward, a dict of n-grams), where the verify width leaves it room."""
-        if self.control is None or strategy.drafter == "prompt-lookup":
+        prompt lookup (no forward, a dict of n-grams), where the verify width leaves it room, and
+        the drafter of ``also`` (the server's default: a draft model follows with a catch-up
+        forward only when it is scored or switched to)."""
+        if self.control is None:
             return []
-        look = lookup_candidate(self.control.lookup_length, width or self.verify_width)
-        return [look] if look is not None else []
+        width = width or self.verify_width
+        out = []
+        look = lookup_candidate(self.control.lookup_length, width)
+        if look is not None and strategy.drafter != "prompt-lookup":
+            out.append(look)
+        for extra in self.also:
+            if extra.speculates and extra.drafter != strategy.drafter and extra.max_tree_nodes + 1 <= width \
+                    and extra.drafter not in {s.drafter for s in out}:
+                out.append(extra)
+        return out
 
     def control_cost(self, dec: Decoder) -> MeasuredCostModel:
         """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
         model, timed once - at start-up, ``prepare_control`` - then refreshed by every request)."""
         drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
-        key = id(drafting.model if drafting is not None else dec.target)
+        model = drafting.model if drafting is not None else dec.target
+        # the wrapped weights and how they run (a float target gets a fresh wrapper per decoder)
+        key = (id(getattr(model, "hf_model", model)), getattr(model, "backend", None), id(dec.target.hf_model),
+               dec.target.backend, dec.pads)
         cost = self._costs.get(key)
         if cost is None:
             cost = self._costs[key] = controller_cost(dec)
         return cost
 
-    def prepare_control(self) -> None:
-        """Time the controllers' cost models now (while ``/health`` says loading), not in a request."""
+    def prepare_control(self, strategies: list[Strategy]) -> None:
+        """Build the decoders of ``strategies`` (plain decoding included) and time their
+        controllers' cost models now (while ``/health`` says loading), not in a request."""
         if self.control is None:
             return
-        for dec in list(self.decoders.values()):
-            cost = self.control_cost(dec)
+        for strategy in dict.fromkeys([PLAIN, *strategies]):
+            if self.servable(strategy) is not None:
+                continue
+            cost = self.control_cost(self.decoder(strategy))
             with torch.inference_mode():
                 cost.plain_step_s(), cost.verify_s(), cost.draft_forward_s(None)
 
@@ -470,9 +489,10 @@ class DecodeWorker:
             control = None
             if self._controlled(job):
                 # where the route's latest requests mostly ended (else its strategy): the request starts there
-                start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.control))
+                start = self.priors.start(job.choice.route, strategy,
+                                          decoder_options(strategy, dec, self.control, self.also))
                 control = RequestController(strategy, dec, self.control_cost(dec), len(job.ids), self.control,
-                                            self.corrections, start=start)
+                                            self.corrections, start=start, also=self.also)
             running = Running(job, Member(dec, seq), strategy, control)
             self._batch.append(running)
             self._solo = None
@@ -578,7 +598,8 @@ class DecodeWorker:
             result = r.member.seq.result()
             if r.control is not None:
                 r.job.control = r.control.summary(decode_s=result.stats.wall_s - result.stats.prefill_s)
-                self.priors.observe(r.job.choice.route, r.control.current)
+                if r.control.decisions:  # a request too short to decide says nothing about its route
+                    self.priors.observe(r.job.choice.route, r.control.current)
                 if self.on_control is not None:
                     self.on_control(r.job)
             if self.adapter is not None:
