@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -316,8 +316,8 @@ class DecodeWorker:
             standby = self._standby(strategy, width)
             if standby and width is None:
                 width = self.verify_width
-            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width,
-                                standby=standby)
+            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy, standby),
+                                verify_width=width, standby=standby)
             if width is not None:
                 self.widths.add(width)
             self.decoders[strategy] = dec
@@ -382,8 +382,9 @@ class DecodeWorker:
         request re-tuning its route and one whose strategy this server cannot run decode as chosen."""
         return self.control is not None and job.choice.route not in EXPLICIT_ROUTES and job.choice.state == "stored"
 
-    def _draft_for(self, strategy: Strategy) -> str | None:
-        return self.draft if strategy.drafter == "draft-model" else None
+    def _draft_for(self, strategy: Strategy, standby: Sequence[Strategy] = ()) -> str | None:
+        """The draft model's name when ``strategy`` or a drafter on standby drafts with it."""
+        return self.draft if any(s.drafter == "draft-model" for s in (strategy, *standby)) else None
 
     def acquire(self, strategy: Strategy) -> Decoder:
         """A decoder of ``strategy`` that serves no running request (a batch-mate of the same
@@ -395,8 +396,9 @@ class DecodeWorker:
                 dec = spare.pop()
             else:
                 width = dec.verify_width if strategy.speculates or dec.standby else None
-                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy), verify_width=width,
-                                    standby=self._standby(strategy, width))
+                standby = self._standby(strategy, width)
+                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy, standby),
+                                    verify_width=width, standby=standby)
         self._in_use.add(id(dec))
         return dec
 
