@@ -104,8 +104,6 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     worker.on_control = metrics.observe_control
     if not cfg.request_control:
         worker.control = None
-    elif book.default.speculates:  # every controlled request may reach the server's default strategy
-        worker.also = (book.default,)
     worker.share_width(book.strategies() + worker.control_strategies())
     if cfg.adaptive is not None:
         from autotune.serving.adaptive.adaptive import Adapter

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from autotune.serving.protocol import ApiError
+from autotune.serving.routing.router import UNKNOWN
 from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
@@ -136,8 +137,9 @@ class DecodeWorker:
         self.control: ControlSettings | None = ControlSettings()
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
-        # a candidate of every controlled request besides its own (the server's default strategy):
-        # its drafter follows every decoder on standby
+        # candidates of every controlled request besides its own (none by default: measured on the Qwen
+        # pair at int4, letting every request reach the default draft chain lost more than it won,
+        # docs/benchmarks.md); their drafters follow every decoder on standby
         self.also: tuple[Strategy, ...] = ()
         self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
@@ -600,7 +602,9 @@ class DecodeWorker:
             result = r.member.seq.result()
             if r.control is not None:
                 r.job.control = r.control.summary(decode_s=result.stats.wall_s - result.stats.prefill_s)
-                if r.control.decisions:  # a request too short to decide says nothing about its route
+                # a request too short to decide says nothing about its route, and ``unknown`` is every
+                # unseen kind at once: what one kind ended on is no prior for the next
+                if r.control.decisions and r.job.choice.route != UNKNOWN:
                     self.priors.observe(r.job.choice.route, r.control.current)
                 if self.on_control is not None:
                     self.on_control(r.job)
