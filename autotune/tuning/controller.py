@@ -72,10 +72,13 @@ class ControlSettings:
 
 class Corrections:
     """Measured / predicted tokens/s per drafter kind, shared by the requests of a server (or a
-    ``generate`` run): each request's measured windows refine it for the next."""
+    ``generate`` run): each request's measured windows refine it for the next. It also keeps what
+    scoring a drafting model last cost (``model_s``), so a request's first score of one waits for
+    its budget like every later one (only the very first score, with nothing known, goes ahead)."""
 
     def __init__(self) -> None:
         self.factor: dict[str, float] = {}
+        self.model_s: float | None = None
 
     def get(self, kind: str) -> float:
         return self.factor.get(kind, 1.0)
@@ -168,7 +171,7 @@ class Decision:
     scores: dict[str, float]  # strategy label -> predicted (or, for the current one, measured) tokens/s
     chose: str
     switched: bool
-    reason: str  # "predicted", "guard" (measured slower than plain), "kept"
+    reason: str  # "predicted", "guard" (measured slower than plain), "kept", "unscored" (the current had no score)
 
 
 def label(strategy: Strategy) -> str:
@@ -223,7 +226,7 @@ class RequestController:
         self._stretch = _Stretch()
         self._predicted: float | None = None  # the current strategy's prediction when it was chosen
         self._spec_rounds: list[tuple[int, float]] = []  # recent speculative rounds decoded alone: (tokens, s)
-        self._model_s: float | None = None  # what scoring a drafting model last cost
+        self._model_s: float | None = self.corrections.model_s  # what scoring a drafting model last cost
         self._known: dict[Strategy, float] = {}  # each candidate's latest prediction (tokens/s)
 
     # ------------------------------------------------------------------ the round hook
@@ -299,8 +302,12 @@ class RequestController:
             if s == self.current and measured is not None:
                 scores[s] = measured  # what it decoded beats a prediction
         if model_s > 0:
-            self._model_s = model_s
+            self._model_s = self.corrections.model_s = model_s
         scores.setdefault(PLAIN, plain_tps)
+        if self.current not in scores:  # neither measured nor scored yet (the budget): nothing to compare
+            self.decisions.append(Decision(generated, {label(k): round(v, 3) for k, v in scores.items()},
+                                           label(self.current), False, "unscored"))
+            return
         best = self._choose(scores)
         reason = "predicted" if best != self.current else "kept"
         named = {label(s): round(v, 3) for s, v in scores.items()}

@@ -87,7 +87,8 @@ def decoder_with(hf_target, draft: CausalLM, lookup: bool) -> Decoder:
 
 
 def run(hf_target, controlled: bool, draft: CausalLM | None = None, lookup: bool = False,
-        cost: FixedCostModel = COST, prior: Strategy = CHAIN, settings: ControlSettings = SETTINGS):
+        cost: FixedCostModel = COST, prior: Strategy = CHAIN, settings: ControlSettings = SETTINGS,
+        corrections: Corrections | None = None):
     """Decode with ``prior`` (under the controller, or not) -> (tokens, controller or None,
     [(generated tokens, drafted so far)] after every round)."""
     draft = draft if draft is not None else Diverging(hf_target, len(PROMPT) + DIVERGE_AT)
@@ -113,7 +114,7 @@ def run(hf_target, controlled: bool, draft: CausalLM | None = None, lookup: bool
         return hook
 
     dec.apply(prior)
-    ctl = RequestController(prior, dec, cost, len(PROMPT), settings, Corrections())
+    ctl = RequestController(prior, dec, cost, len(PROMPT), settings, corrections or Corrections())
     ctl_box["c"] = ctl
     result = dec.generate(PROMPT, cfg, before_round=make_hook(ctl))
     return result.tokens, ctl, seen
@@ -202,6 +203,24 @@ def test_scoring_a_drafting_model_stays_within_its_share(hf_target):
     assert unlimited == windows >= 6
     limited, _ = scorings(0.02)
     assert 1 <= limited < unlimited
+
+
+def test_a_later_requests_first_score_waits_for_its_budget(hf_target):
+    """What scoring the draft model cost is shared: the first request scores it at once (nothing
+    is known), the next one only once its own decode time has paid for it."""
+    shared = Corrections()
+    settings = ControlSettings(window=WINDOW, guard_tokens=NEVER, max_share=0.02, min_measured=NEVER)
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1e-6)
+    counts = []
+    for _ in range(2):
+        draft = Counting(noisy_copy(hf_target, 0.02, 1))
+        tokens, ctl, _ = run(hf_target, controlled=True, draft=draft, cost=cost, settings=settings,
+                             corrections=shared)
+        assert tokens == plain(hf_target)
+        counts.append((draft.scorings, ctl.decisions[0].scores))
+    assert counts[0][0] >= 1 and shared.model_s is not None
+    assert counts[0][0] >= counts[1][0]
+    assert "draft-model-4" in counts[0][1] and "draft-model-4" not in counts[1][1]  # not scored at its first window
 
 
 # ---------------------------------------------------------------------------------- candidates

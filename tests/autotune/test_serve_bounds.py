@@ -98,16 +98,18 @@ def test_bursts_of_distinct_topics_stay_under_the_route_cap(pool, smollm, tmp_pa
     storage.close()
 
 
-def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, tmp_path):
+@pytest.mark.parametrize("control", [False, True], ids=["no-request-control", "request-control"])
+def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, tmp_path, control):
     """Three wider strategies stored while the server runs: the first speculative one fixes the
     verify width (5), the wider ones decode plainly (logged), and one layer plan that cannot fit
-    this model decodes plainly too, instead of failing its requests."""
+    this model decodes plainly too, instead of failing its requests. With request control the
+    width is fixed at start-up instead (9: the standby prompt lookup's k=8), so lookup k=8 fits."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
-    storage, live = _serve(pool, url)
+    storage, live = _serve(pool, url, request_control=control)
     text = routing_texts("humaneval", 1, 0)[0]
     with live:
         client = live.client()
-        assert metric(live.url, "autotune:verify_widths") == 0
+        assert metric(live.url, "autotune:verify_widths") == int(control)
         n = smollm.hf_model.config.num_hidden_layers
         stored = [Strategy(drafter="prompt-lookup", draft_length=k) for k in (4, 8, 12)] + [
             Strategy(drafter="layer-skip", draft_length=3, layer_plan=uniform_skip_plan(n + 10, 0.3))]
@@ -120,8 +122,9 @@ def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, 
             _, got, info = chat(client, text, strategy=str(rows[history_id]), max_tokens=24)
             assert got == expected  # lossless whichever way it decoded
             infos.append(info)
-        assert [i["state"] for i in infos] == ["stored", "unservable", "unservable", "unservable"], infos
-        assert infos[0]["drafted"] > 0 and all(i["drafted"] == 0 for i in infos[1:])
+        servable = 2 if control else 1
+        assert [i["state"] for i in infos] == ["stored"] * servable + ["unservable"] * (4 - servable), infos
+        assert all(i["drafted"] > 0 for i in infos[:servable]) and all(i["drafted"] == 0 for i in infos[servable:])
         assert metric(live.url, "autotune:verify_widths") == 1  # one packed copy of the target
     storage.close()
 
