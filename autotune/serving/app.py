@@ -178,7 +178,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         (SIGTERM), when its decode worker died, or after ``worker.FAILING_AFTER`` internal decode
         failures in a row (``failing``; a success clears it). ``launcher`` answers "loading"."""
         condition = server.worker.condition()
-        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth}
+        out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth,
+                               "running": server.worker.running}
         if condition == "failing":
             out["consecutive_failures"] = server.worker.failures
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)

@@ -74,6 +74,13 @@ def _wait_depth(url: str, depth: int) -> None:
         time.sleep(0.02)
 
 
+def _wait_running(url: str, n: int) -> None:
+    deadline = time.time() + 30
+    while httpx.get(f"{url}/health", timeout=5).json()["running"] < n:
+        assert time.time() < deadline, f"{n} requests never ran side by side"
+        time.sleep(0.02)
+
+
 def _tokens_for(url: str, seconds: float) -> int:
     """How many tokens this machine decodes in about ``seconds`` now (shared CPUs vary a lot)."""
     t0 = time.monotonic()
@@ -125,7 +132,7 @@ def test_sigterm_lets_the_running_batch_finish(store_url):
         tokens = _tokens_for(url, 3.0)
         with cf.ThreadPoolExecutor(4) as ex:
             running = [ex.submit(_post_timed, url, {**COUNT, "max_tokens": tokens}) for _ in range(4)]
-            _wait_depth(url, 4)
+            _wait_running(url, 4)  # all four admitted to the batch (a queued one would get 503 at SIGTERM)
             time.sleep(0.3)
             assert not any(f.done() for f in running), "a request ended before SIGTERM: make them longer"
             sent = time.monotonic()
