@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -137,10 +137,6 @@ class DecodeWorker:
         self.control: ControlSettings | None = ControlSettings()
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
-        # candidates of every controlled request besides its own (none by default: measured on the Qwen
-        # pair at int4, letting every request reach the default draft chain lost more than it won,
-        # docs/benchmarks.md); their drafters follow every decoder on standby
-        self.also: tuple[Strategy, ...] = ()
         self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
@@ -318,7 +314,7 @@ class DecodeWorker:
             standby = self._standby(strategy, width)
             if standby and width is None:
                 width = self.verify_width
-            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy, standby),
+            dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy),
                                 verify_width=width, standby=standby)
             if width is not None:
                 self.widths.add(width)
@@ -338,21 +334,13 @@ class DecodeWorker:
 
     def _standby(self, strategy: Strategy, width: int | None) -> list[Strategy]:
         """Drafters a decoder of ``strategy`` keeps following the sequence for its controller:
-        prompt lookup (no forward, a dict of n-grams), where the verify width leaves it room, and
-        the drafter of ``also`` (the server's default: a draft model follows with a catch-up
-        forward only when it is scored or switched to)."""
-        if self.control is None:
+        prompt lookup (no forward, a dict of n-grams), where the verify width leaves it room. (Not
+        the server's default draft chain: measured on the Qwen pair at int4, letting every request
+        reach it lost more than it won, docs/benchmarks.md, issue 30 run 2.)"""
+        if self.control is None or strategy.drafter == "prompt-lookup":
             return []
-        width = width or self.verify_width
-        out = []
-        look = lookup_candidate(self.control.lookup_length, width)
-        if look is not None and strategy.drafter != "prompt-lookup":
-            out.append(look)
-        for extra in self.also:
-            if extra.speculates and extra.drafter != strategy.drafter and extra.max_tree_nodes + 1 <= width \
-                    and extra.drafter not in {s.drafter for s in out}:
-                out.append(extra)
-        return out
+        look = lookup_candidate(self.control.lookup_length, width or self.verify_width)
+        return [look] if look is not None else []
 
     def control_cost(self, dec: Decoder) -> MeasuredCostModel:
         """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
@@ -384,9 +372,8 @@ class DecodeWorker:
         request re-tuning its route and one whose strategy this server cannot run decode as chosen."""
         return self.control is not None and job.choice.route not in EXPLICIT_ROUTES and job.choice.state == "stored"
 
-    def _draft_for(self, strategy: Strategy, standby: Sequence[Strategy] = ()) -> str | None:
-        """The draft model's name when ``strategy`` or a drafter on standby drafts with it."""
-        return self.draft if any(s.drafter == "draft-model" for s in (strategy, *standby)) else None
+    def _draft_for(self, strategy: Strategy) -> str | None:
+        return self.draft if strategy.drafter == "draft-model" else None
 
     def acquire(self, strategy: Strategy) -> Decoder:
         """A decoder of ``strategy`` that serves no running request (a batch-mate of the same
@@ -399,7 +386,7 @@ class DecodeWorker:
             else:
                 width = dec.verify_width if strategy.speculates or dec.standby else None
                 standby = self._standby(strategy, width)
-                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy, standby),
+                dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy),
                                     verify_width=width, standby=standby)
         self._in_use.add(id(dec))
         return dec
@@ -493,10 +480,9 @@ class DecodeWorker:
             control = None
             if self._controlled(job):
                 # where the route's latest requests mostly ended (else its strategy): the request starts there
-                start = self.priors.start(job.choice.route, strategy,
-                                          decoder_options(strategy, dec, self.control, self.also))
+                start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.control))
                 control = RequestController(strategy, dec, self.control_cost(dec), len(job.ids), self.control,
-                                            self.corrections, start=start, also=self.also)
+                                            self.corrections, start=start)
             running = Running(job, Member(dec, seq), strategy, control)
             self._batch.append(running)
             self._solo = None

@@ -383,15 +383,17 @@ class RequestController:
         return out
 
 
-def controller_cost(decoder: Decoder, context: int = 512) -> Any:
-    """A measured cost model for ``decoder``'s controller: its drafting model (the draft model,
-    the target for self-drafting, else the target) and target, timed lazily, once."""
+def controller_cost(decoder: Decoder, context: int = 512, repeats: int = 3, warm: bool = True,
+                    verify_width: int | None = None) -> Any:
+    """A measured cost model for ``decoder``: its drafting model (the draft model, the target for
+    self-drafting, else the target) and target, timed lazily, once (``repeats``/``warm``: a live
+    re-tune times models already decoding, once each)."""
     from autotune.tuning.cost_model import MeasuredCostModel
 
     drafting = decoder.drafter_of("draft-model") or decoder.drafter_of("layer-skip")
     return MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
-                             verify_width=max(decoder.verify_width, 2), context=context, repeats=3, warm=True,
-                             padded=decoder.pads)
+                             verify_width=verify_width or max(decoder.verify_width, 2), context=context,
+                             repeats=repeats, warm=warm, padded=decoder.pads)
 
 
 def generate_controlled(decoder: Decoder, prompt: list[int], config: Any, prior: Strategy, cost: CostModel,

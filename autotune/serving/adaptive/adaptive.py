@@ -83,6 +83,7 @@ from autotune.serving.worker import EXPLICIT_ROUTES
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
 from autotune.store.storage import KeyTaken
+from autotune.tuning.controller import controller_cost
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
@@ -282,11 +283,7 @@ class Adapter:
 
     def _cost(self) -> MeasuredCostModel:
         if self.cost is None:
-            dec = self._decoder()
-            drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
-            self.cost = MeasuredCostModel(draft=drafting.model if drafting is not None else dec.target,
-                                          target=dec.target, verify_width=self.worker.verify_width, context=512,
-                                          repeats=1, warm=False, padded=dec.pads)
+            self.cost = controller_cost(self._decoder(), repeats=1, warm=False, verify_width=self.worker.verify_width)
         return self.cost
 
     def _decoder(self) -> Decoder:
