@@ -5,6 +5,7 @@ SDPA. Shapes: batch 1, ``q`` ``[H, T, D]``, keys/values ``[Hkv, S, D]``, masks `
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,6 +153,35 @@ def causal_mask(start: int, t: int, device: torch.device | str = "cpu") -> torch
 
 # query rows per attention call where a row's result must not depend on the call's row count
 INVARIANT_ROWS = 32
+# keys per invariant attention call grow in steps of this many cache slots (see key_blocks)
+KEY_BLOCK = 64
+
+KeyBlocks = tuple[tuple[int, int, int], ...]  # (first row, end row, keys attended) per call group
+
+
+def round_keys(n: int) -> int:
+    """``n`` cache slots rounded up to a whole number of ``KEY_BLOCK`` s."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
+def key_blocks(start: int, t: int) -> KeyBlocks:
+    """How the ``t`` rows of a forward writing slots ``[start, start + t)`` attend invariantly: row
+    ``r`` (at slot ``start + r``) attends over the first ``round_keys(start + r + 1)`` slots, a key
+    count fixed by its own slot alone. Consecutive rows with the same count share a group.
+
+    The CPU kernel's result for a row depends on how many keys the call has (masked or not: the
+    softmax's vector tail and the P@V blocking move with it), so attending over the cache's whole
+    capacity made a row depend on how big the decoder made its cache: plain decoding and a
+    speculative decoder (whose cache holds a verify's width more) parted on a near-tie of the int4
+    1.5B (MT-Bench prompt 84, token 95)."""
+    out: list[tuple[int, int, int]] = []
+    r = 0
+    while r < t:
+        keys = round_keys(start + r + 1)
+        end = min(t, keys - start)  # the rows whose slot is below ``keys``
+        out.append((r, end, keys))
+        r = end
+    return tuple(out)
 
 
 def sdpa(
@@ -161,16 +191,8 @@ def sdpa(
     mask: torch.Tensor | None,  # [T, S] bool
     causal: bool,
     scale: float,
-    invariant: bool = False,
 ) -> torch.Tensor:
-    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``.
-
-    ``invariant``: compute every query row inside a call of exactly ``INVARIANT_ROWS`` rows (the
-    rows padded, then cut back), so its result is bit-identical whatever ``T`` is. The CPU kernel
-    splits the query rows into blocks whose size follows from ``T``, and a short block takes another
-    GEMM path: the last ulp of a row then depends on how many rows share the call. Float32 greedy
-    decoding shrugs that off; quantised activations round it into different tokens (a w8a8 verify
-    of 11 rows parted from plain decoding on the 1.5B). Not for the causal prefill (run once)."""
+    """Grouped-query attention without materialising repeated K/V -> ``[H, T, D]``."""
     h, t, d = q.shape
     hkv = k.shape[0]
     rep = h // hkv
@@ -178,8 +200,6 @@ def sdpa(
         if rep > 1:
             k = k.repeat_interleave(rep, dim=0)
             v = v.repeat_interleave(rep, dim=0)
-        if invariant and not causal:
-            return _in_blocks(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=None if mask is None else mask[None, None],
             is_causal=causal, scale=scale,
@@ -187,26 +207,119 @@ def sdpa(
     # pack the query heads sharing a K/V head: [Hkv, rep*T, D]; the mask repeats per head
     qp = q.reshape(hkv, rep * t, d)
     mp = None if mask is None else mask.repeat(rep, 1)  # [rep*T, S]
-    if invariant:
-        return _in_blocks(qp, k, v, mp, scale).reshape(h, t, d)
     out = F.scaled_dot_product_attention(
         qp[None], k[None], v[None], attn_mask=None if mp is None else mp[None, None], scale=scale
     )[0]
     return out.reshape(h, t, d)
 
 
-def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class InvariantRows:
+    """How the rows of one forward attend on the quantised backends (:func:`sdpa_invariant`).
+
+    Contiguous rows (a prefill, a plain step, a chain's verify) sit at the slot of their position
+    and attend to every slot up to it: they attend over the cache as it is, in the groups of
+    ``blocks``. A tree's rows sit past their positions, their ancestors scattered over the round's
+    slots: each row's attended slots are gathered (``order``) into the columns a plain step at its
+    position would read them from, since the kernel's sums depend on which column holds what."""
+
+    blocks: KeyBlocks  # contiguous rows: (first row, end row, key count) per group
+    positions: tuple[int, ...] = ()  # a tree's row positions (host ints); () for contiguous rows
+    order: torch.Tensor | None = None  # [T, K] each tree row's attended slots, ascending (then the rest)
+
+    @staticmethod
+    def contiguous(start: int, t: int) -> "InvariantRows":
+        return InvariantRows(key_blocks(start, t))
+
+    @staticmethod
+    def gathered(mask: torch.Tensor, positions: list[int]) -> "InvariantRows":
+        """``mask`` ``[T, S]``: the slots each row attends to (no sliding window), which are its
+        positions ``0 .. positions[r]`` in ascending slot order."""
+        keys = round_keys(max(positions) + 1)
+        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :keys]
+        return InvariantRows((), tuple(positions), order)
+
+
+def sdpa_invariant(
+    q: torch.Tensor,  # [H, T, D]
+    k: torch.Tensor,  # [Hkv, S, D], S >= every group's key count
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [T, S] bool: this layer's mask (sliding window included)
+    scale: float,
+    rows: InvariantRows,
+    window: int | None = None,  # this layer's sliding window (gathered rows)
+) -> torch.Tensor:
+    """Attention whose every row is bit-identical whatever else shares its call and wherever the
+    cache holds its keys -> ``[H, T, D]``.
+
+    Each row attends over exactly ``round_keys(position + 1)`` keys laid out as a plain step at its
+    position reads them, and its (GQA-packed) query rows run in calls of exactly
+    ``INVARIANT_ROWS`` rows (padded, then cut back): the CPU kernel splits a call's query rows into
+    blocks whose size follows from the row count, and a short block takes another GEMM path.
+    Float32 greedy decoding shrugs such last-ulp differences off; quantised weights and activations
+    round them into different tokens (a w8a8 verify of 11 rows parted from plain decoding on the
+    1.5B), so the quantised backends attend this way, the prefill included."""
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    rep = h // hkv
+    if rows.order is not None:
+        return _gathered(q, k, v, scale, rows, window)
+    outs = []
+    for lo, hi, keys in rows.blocks:
+        n = hi - lo
+        qg = q[:, lo:hi].reshape(hkv, rep * n, d)  # heads sharing a K/V head packed; rep == 1 too
+        mg = mask[lo:hi, :keys].repeat(rep, 1)
+        outs.append(_in_blocks(qg, k[:, :keys], v[:, :keys], mg, scale).reshape(h, n, d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _gathered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: InvariantRows, window: int | None
+) -> torch.Tensor:
+    """Tree rows: each row's keys gathered into position order, one query block per row."""
+    assert rows.order is not None
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    rep = h // hkv
+    block = -(-rep // INVARIANT_ROWS) * INVARIANT_ROWS
+    cols = torch.arange(rows.order.shape[1], device=q.device)
+    pos = torch.tensor(rows.positions, device=q.device)
+    seen = cols[None, :] <= pos[:, None]  # [T, K]: columns 0 .. position, as a plain step's
+    if window is not None:  # HF: a key at position c is visible from position p iff c > p - window
+        seen &= cols[None, :] > pos[:, None] - window
+    counts = [round_keys(p + 1) for p in rows.positions]
+    out = q.new_empty(h, t, d)
+    for keys in sorted(set(counts)):
+        idx = torch.tensor([r for r in range(t) if counts[r] == keys], device=q.device)
+        n = idx.numel()
+        order = rows.order[idx, :keys]  # [n, keys]
+        kg, vg = k[:, order].transpose(0, 1), v[:, order].transpose(0, 1)  # [n, Hkv, keys, D]
+        qg = q[:, idx].reshape(hkv, rep, n, d).permute(2, 0, 1, 3)  # [n, Hkv, rep, D]
+        mg = seen[idx, :keys][:, None, None, :].expand(n, 1, rep, keys)
+        if block != rep:  # padding rows see every key (their output is dropped)
+            qg = torch.cat([qg, qg.new_zeros(n, hkv, block - rep, d)], dim=2)
+            mg = torch.cat([mg, mg.new_ones(n, 1, block - rep, keys)], dim=2)
+        og = torch.cat([
+            F.scaled_dot_product_attention(qg[:, :, i : i + INVARIANT_ROWS], kg, vg, scale=scale,
+                                           attn_mask=mg[:, :, i : i + INVARIANT_ROWS])
+            for i in range(0, block, INVARIANT_ROWS)
+        ], dim=2)[:, :, :rep]  # [n, Hkv, rep, D]
+        out[:, idx] = og.permute(1, 2, 0, 3).reshape(h, n, d)
+    return out
+
+
+def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``q`` ``[Hk, R, D]`` attended in calls of exactly ``INVARIANT_ROWS`` rows each."""
     rows = q.shape[1]
     padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
     if padded != rows:
         q = torch.cat([q, q.new_zeros(q.shape[0], padded - rows, q.shape[2])], dim=1)
-        if mask is not None:  # padding rows see every slot (their output is dropped)
-            mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
+        # padding rows see every slot (their output is dropped)
+        mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
     outs = [
         F.scaled_dot_product_attention(
             q[None, :, i : i + INVARIANT_ROWS], k[None], v[None], scale=scale,
-            attn_mask=None if mask is None else mask[None, None, i : i + INVARIANT_ROWS],
+            attn_mask=mask[None, None, i : i + INVARIANT_ROWS],
         )[0]
         for i in range(0, padded, INVARIANT_ROWS)
     ]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import apply_rope, causal_mask
+from runtime.attention import InvariantRows, apply_rope, causal_mask
 from runtime.errors import RuntimeUserError
 from search_spaces.layer_plan import LayerPlan
 
@@ -143,6 +143,7 @@ class AttnInputs:
     windowed: dict[int, torch.Tensor] | None = None  # layer -> its own [T, S] mask (sliding windows)
     slots: torch.Tensor | None = None  # [T] cache slots written (None: after the cache's length)
     key_len: int | None = None  # attend over the first key_len slots (None: the whole capacity)
+    invariant: InvariantRows | None = None  # how rows attend on the quantised backends (sdpa_invariant)
 
     def mask_for(self, li: int) -> tuple[torch.Tensor | None, bool]:
         """The ``(mask, causal)`` attention sub-layer ``li`` uses."""

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows, no_windows, sdpa,
-    window_masks,
+    RotaryTable, Windows, apply_rope, attend_mask, check_rope, InvariantRows, layer_type_windows, mistral_windows,
+    no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
 from runtime.compiled import bucketed, compile_step, note_step, run_step, step_key
 from runtime.errors import RuntimeUserError
@@ -116,6 +116,13 @@ class CausalLM:
         self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
 
     @property
+    def invariant(self) -> bool:
+        """Whether every row of a forward is computed bit-identically whatever the call's other rows
+        and the cache's capacity: the quantised backends (row-invariant kernels and attention), which
+        round last-ulp differences into different tokens."""
+        return self.backend in ROW_INVARIANT_BACKENDS
+
+    @property
     def is_compiled(self) -> bool:
         return self._compiled_step is not None
 
@@ -171,6 +178,8 @@ class CausalLM:
     def new_cache(self, capacity: int) -> KVCache:
         if self.is_compiled:  # one cache shape (hence one graph set) for many prompts
             capacity = bucketed(capacity)
+        elif self.invariant:  # room for every row's whole key block (runtime.attention.key_blocks)
+            capacity = round_keys(capacity)
         self.rope.ensure(capacity + 1, self.device)
         d = self.dims
         return KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)
@@ -204,9 +213,12 @@ class CausalLM:
         v = v.view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
         q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
         keys, values = a.cache.write(li, k, v, a.slots, a.key_len)  # [Hkv, S, D]
-        # quantised activations round ulps into tokens: attention rows computed the same at every width
-        invariant = self.backend in ROW_INVARIANT_BACKENDS
-        out = sdpa(q, keys, values, *a.mask_for(li), self.scale, invariant=invariant)  # [H, T, D]
+        mask, causal = a.mask_for(li)
+        if a.invariant is not None:  # quantised: a row attends the same whatever shares its call
+            window = None if self.windows is None else self.windows[li]
+            out = sdpa_invariant(q, keys, values, mask, self.scale, a.invariant, window)  # [H, T, D]
+        else:
+            out = sdpa(q, keys, values, mask, causal, self.scale)
         return out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim), q, k, v
 
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +252,9 @@ class CausalLM:
         if mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
             full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=self.device)
             full[:, : start + t] = mask.to(self.device)
-        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None
+        # a prompt into an empty cache runs causal at its exact length, except on the quantised
+        # backends: there its rows attend as any later forward's would (runtime.attention.key_blocks)
+        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None and not self.invariant
         cp = None if plan is None or plan.is_identity else self.compiled(plan)
         if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
@@ -275,7 +289,10 @@ class CausalLM:
         else:
             mask = full if full is not None else attend_mask(slots, cache.capacity, rel_mask)
         windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)
-        a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len)
+        inv = None
+        if self.invariant:  # never under compiled steps (dense only): host ints and reads are free
+            inv = self._invariant_rows(tokens.shape[0], cache.length, positions, rel_mask, full, mask)
+        a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len, inv)
         h = self.embed(tokens)  # [T, H]
         if cp is None:
             for li, layer in enumerate(self.layers):
@@ -289,6 +306,19 @@ class CausalLM:
         return self.head(self.norm(h))
 
     __call__ = forward
+
+    @staticmethod
+    def _invariant_rows(
+        t: int, start: int, positions: torch.Tensor, rel_mask: torch.Tensor | None, full: torch.Tensor | None,
+        mask: torch.Tensor,
+    ) -> InvariantRows:
+        """How this forward's rows attend on a quantised backend (CPU only: reading ``positions``
+        back costs no synchronisation)."""
+        if full is not None:  # an explicit mask (diagnostics): any row may see any slot of the forward
+            return InvariantRows(((0, t, round_keys(start + t)),))
+        if rel_mask is None:
+            return InvariantRows.contiguous(start, t)
+        return InvariantRows.gathered(mask, positions.tolist())
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> list[torch.Tensor]:
         """One forward over several sequences' new rows (continuous batching) -> logits
@@ -307,7 +337,8 @@ class CausalLM:
             cos, sin = self.rope.lookup(positions)
             mask = attend_mask(slots, p.cache.capacity, p.rel_mask)
             windowed = window_masks(self.windows, slots, positions, mask)
-            inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None))
+            inv = self._invariant_rows(t, p.cache.length, positions, p.rel_mask, None, mask) if self.invariant else None
+            inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None, inv))
         h = self.embed(torch.cat([p.tokens for p in parts]))  # [R, H]
 
         way = row_way(self.row_ways, sum(sizes))

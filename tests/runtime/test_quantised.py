@@ -107,6 +107,59 @@ def test_tiny_speculation_equals_plain_at_the_same_precision(backend):
     assert lookup.generate(prompt, cfg).tokens == want
 
 
+
+@pytest.mark.parametrize("backend", ROW_INVARIANT)
+def test_quantised_tree_rows_equal_plain_steps(backend):
+    """A tree verify's rows, whose ancestors sit scattered over the round's slots, compute the logits
+    a plain step at their position computes, bit for bit, on every branch and across a 64-slot key
+    block (the attended keys are gathered into a plain step's column order; left where the cache
+    holds them, most rows differ in the last ulp, see ``test_gathered_keys_are_needed``)."""
+    from runtime.tree import compile_tree, tree_tables
+
+    lm = _quantised(tiny_model("qwen2", 5, layers=3), backend)
+    prompt = torch.randint(0, 96, (250,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        plain = lm.new_cache(300)
+        logits = [lm(torch.tensor(prompt), plain)[-1]]
+        for _ in range(6):
+            logits.append(lm(logits[-1].argmax().view(1), plain)[0])
+        greedy = [int(x.argmax()) for x in logits]  # greedy[i] sits at position 250 + i
+        # root = greedy[0] (position 250); two branches at every depth, the greedy path on the second
+        parents = (-1, -1, 0, 1, 1, 4, 5, 6, 7)
+        tokens = [7, greedy[1], 9, 11, greedy[2], greedy[3], greedy[4], greedy[5], 13]
+        tree = compile_tree(parents)
+        tables = tree_tables(tree, "cpu")
+        cache = lm.new_cache(300)
+        lm(torch.tensor(prompt), cache)
+        got = lm(torch.tensor([greedy[0], *tokens]), cache, positions=tables.offsets + 250, rel_mask=tables.block)
+    assert torch.equal(got[0], logits[1])  # the root: slot == position
+    for row, depth in ((2, 1), (5, 2), (6, 3), (7, 4), (8, 5)):  # nodes 1, 4, 5, 6, 7: the greedy path
+        assert torch.equal(got[row], logits[1 + depth]), (row, depth)
+
+
+def test_gathered_keys_are_needed():
+    """The power of the check above: one query attending to the same keys laid out in the cache's
+    columns as a tree round leaves them differs in the last ulp from a plain step's layout."""
+    from runtime.attention import _in_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    dim, rep, differ = 64, 3, 0
+    for start in range(100, 140):
+        k, v = torch.randn(3, 256, dim, generator=gen), torch.randn(3, 256, dim, generator=gen)
+        q = torch.randn(3, rep, dim, generator=gen)
+        scattered_k, scattered_v = k.clone(), v.clone()
+        ancestors = [start + 1, start + 4, start + 7]  # depths 1-3 at the slots of a tree round
+        for depth, slot in enumerate(ancestors, 1):
+            scattered_k[:, slot], scattered_v[:, slot] = k[:, start + depth], v[:, start + depth]
+        contiguous = torch.arange(256)[None, :] <= start + 3
+        scattered = torch.arange(256)[None, :] <= start
+        scattered[0, ancestors] = True
+        a = _in_blocks(q, k, v, contiguous.repeat(rep, 1), dim**-0.5)
+        b = _in_blocks(q, scattered_k, scattered_v, scattered.repeat(rep, 1), dim**-0.5)
+        assert torch.allclose(a, b, atol=1e-5)
+        differ += not torch.equal(a, b)
+    assert differ > 0
+
 # ------------------------------------------------------------------ SmolLM2, through the pipeline
 @pytest.fixture(scope="module")
 def qpool():
@@ -228,21 +281,60 @@ def test_smollm_int4_comes_from_its_gguf_blocks_and_is_cached(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(12, 2), (4, 4)])
-def test_invariant_attention_rows_do_not_depend_on_the_call_width(heads, kv_heads):
-    """With ``invariant=True`` a query row attends exactly as it would alone: a verify of 11 rows
-    (packed GQA rows 66: the kernel's blocks 32 + 32 + 2) and a 1-row step agree bit for bit."""
-    from runtime.attention import sdpa
+def test_invariant_attention_rows_depend_on_their_slot_only(heads, kv_heads):
+    """A query row attends bit-identically whatever shares its call and however big the cache is:
+    a verify of 11 rows (packed GQA rows 66: the kernel's blocks 32 + 32 + 2) in a 300-slot cache
+    and 1-row steps in caches of other capacities agree bit for bit. Attending over the whole
+    capacity, as the float path does, fails the same check (its power)."""
+    from runtime.attention import InvariantRows, key_blocks, round_keys, sdpa, sdpa_invariant
 
     gen = torch.Generator().manual_seed(3)
-    slots, dim, rows = 300, 64, 11
-    k, v = torch.randn(kv_heads, slots, dim, generator=gen), torch.randn(kv_heads, slots, dim, generator=gen)
+    start, dim, rows = 250, 64, 11
+    k, v = torch.randn(kv_heads, 512, dim, generator=gen), torch.randn(kv_heads, 512, dim, generator=gen)
     q = torch.randn(heads, rows, dim, generator=gen)
-    mask = torch.zeros(rows, slots, dtype=torch.bool)
-    mask[:, :250] = True
-    mask[:, 250 : 250 + rows] = torch.ones(rows, rows, dtype=torch.bool).tril()
-    together = sdpa(q, k, v, mask, False, dim**-0.5, invariant=True)
+
+    def mask(slots: range, capacity: int) -> torch.Tensor:  # causal over the cache's slots
+        return torch.arange(capacity)[None, :] <= torch.tensor(list(slots))[:, None]
+
+    blocks = key_blocks(start, rows)
+    assert blocks == ((0, 6, 256), (6, 11, 320))  # slots 250-255 see 256 keys, 256-260 see 320
+    cap = round_keys(300)
+    together = sdpa_invariant(q, k[:, :cap], v[:, :cap], mask(range(start, start + rows), cap), dim**-0.5,
+                              InvariantRows(blocks))
+    whole_capacity_differs = False
     for t in range(rows):
-        alone = sdpa(q[:, t : t + 1], k, v, mask[t : t + 1], False, dim**-0.5, invariant=True)
-        assert torch.equal(together[:, t : t + 1], alone), t
-    plain = sdpa(q, k, v, mask, False, dim**-0.5)
-    assert torch.allclose(together, plain, atol=1e-5)  # the same attention, up to rounding
+        slot = start + t
+        for capacity in (round_keys(slot + 1), 512):
+            alone = sdpa_invariant(q[:, t : t + 1], k[:, :capacity], v[:, :capacity], mask(range(slot, slot + 1), capacity),
+                                   dim**-0.5, InvariantRows.contiguous(slot, 1))
+            assert torch.equal(together[:, t : t + 1], alone), (t, capacity)
+        small, big = (sdpa(q[:, t : t + 1], k[:, :c], v[:, :c], mask(range(slot, slot + 1), c), False, dim**-0.5)
+                      for c in (slot + 2, 512))
+        whole_capacity_differs |= not torch.equal(small, big)
+        assert torch.allclose(small, together[:, t : t + 1], atol=1e-5)  # the same attention, up to rounding
+    assert whole_capacity_differs
+
+
+def test_quantised_decode_does_not_depend_on_the_cache_capacity():
+    """Plain decoding of an int4 model with a cache sized for plain decoding and with one sized for
+    a wide verify computes the same logits bit for bit (the int4 1.5B once parted on a near-tie,
+    MT-Bench prompt 84 token 95, because attention read the cache's whole capacity); its prefill
+    rows equal 1-row steps too."""
+    lm = _quantised(tiny_model("qwen2", 5, layers=3), "int4")
+    prompt = torch.randint(0, 96, (240,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def decode(capacity: int, prefill: bool) -> list[torch.Tensor]:
+        cache = lm.new_cache(capacity)
+        if prefill:
+            out = list(lm(torch.tensor(prompt), cache))
+        else:
+            out = [lm(torch.tensor([x]), cache)[0] for x in prompt]
+        for _ in range(24):
+            out.append(lm(out[-1].argmax().view(1), cache)[0])
+        return out
+
+    with torch.inference_mode():
+        want = decode(270, True)
+        for capacity, prefill in ((512, True), (270, False), (400, False)):
+            got = decode(capacity, prefill)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), (capacity, prefill)
