@@ -34,6 +34,38 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+class Bf16Linear:
+    """bfloat16 weights, float in and out: a quantised model's prefill, whose many rows the int4 and
+    int8 weight-only kernels run compute-bound (157 rows of the 1.5B's 8960x1536 MLP matrix: int4
+    24.3 ms, bf16 2.4 ms on this machine's AMX Xeon)."""
+
+    kind = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_dtype = weight.dtype
+        self.weight = weight.detach().to(torch.bfloat16)
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+
+# backends whose many-row calls cost far more than a bfloat16 GEMM: their prefill runs bf16 copies
+# of the same weights where the CPU has native bf16 GEMMs (AMX or AVX512-BF16)
+BF16_PREFILL_BACKENDS = ("int8", "int4")
+
+
+def bf16_prefill(backend: str) -> bool:
+    return backend in BF16_PREFILL_BACKENDS and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prefill_linear(weight: torch.Tensor, bias: torch.Tensor | None, source: Any = None) -> Bf16Linear:
+    """The prefill's projection: ``source`` (int4 weights read from a GGUF file) dequantised, else
+    the module's own weights, in bf16."""
+    return Bf16Linear(weight if source is None else source.dequantise().to(weight.dtype), bias)
+
+
 class MklPackedLinear:
     """float32 GEMM with weights prepacked for exactly ``width`` rows (CPU builds with MKL)."""
 

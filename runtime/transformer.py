@@ -22,7 +22,9 @@ from runtime.compiled import bucketed, compile_step, note_step, run_step, step_k
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.linear import ROW_INVARIANT_BACKENDS, Linear, head_backend, make_linear, row_way
+from runtime.linear import (
+    ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear, prefill_linear, row_way,
+)
 from runtime.linear import run_rows as run_linear_rows
 from search_spaces.layer_plan import LayerPlan
 
@@ -107,6 +109,7 @@ class CausalLM:
         self.head_rows: int | None = None  # restrict the output head to ids [0, head_rows)
         self.backend, self.width = "dense", 1
         self.linears: list[dict[str, Linear]] = []
+        self._prefill_linears: list[dict[str, Linear]] | None = None  # built on the first prefill that uses them
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
@@ -144,7 +147,23 @@ class CausalLM:
             {name: make_linear(backend, mod.weight, mod.bias, width, _source(mod)) for name, mod in _projections(layer)}
             for layer in self.layers
         ]
+        self._prefill_linears = None
         self.head = self._build_head()
+
+    def prefill_linears(self) -> list[dict[str, Linear]]:
+        """The projections a prefill runs: bf16 copies where this backend's many-row calls are slow
+        (``runtime.linear.bf16_prefill``), else the step's own. Every decoding mode prefills a prompt
+        the same way, so speculative output stays identical to plain decoding; a prompt's K/V then
+        come from bf16 weights rather than the int4/int8 kernels (agreement in docs/benchmarks.md)."""
+        if not bf16_prefill(self.backend):
+            return self.linears
+        if self._prefill_linears is None:
+            self._prefill_linears = [
+                {name: prefill_linear(mod.weight, mod.bias, _source(mod) if self.backend == "int4" else None)
+                 for name, mod in _projections(layer)}
+                for layer in self.layers
+            ]
+        return self._prefill_linears
 
     def share_linears_from(self, other: "CausalLM") -> None:
         """Reuse ``other``'s executed projections (e.g. one packed copy of the weights per width)."""
@@ -152,6 +171,7 @@ class CausalLM:
             raise ValueError("can only share linears between wrappers of the same model")
         self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
         self.linears, self.head = other.linears, other.head
+        self._prefill_linears = other._prefill_linears
         self._plans = other._plans
 
     def compiled(self, plan: LayerPlan) -> CompiledPlan:
@@ -252,9 +272,7 @@ class CausalLM:
         if mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
             full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=self.device)
             full[:, : start + t] = mask.to(self.device)
-        # a prompt into an empty cache runs causal at its exact length, except on the quantised
-        # backends: there its rows attend as any later forward's would (runtime.attention.key_blocks)
-        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None and not self.invariant
+        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None
         cp = None if plan is None or plan.is_identity else self.compiled(plan)
         if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
@@ -290,13 +308,14 @@ class CausalLM:
             mask = full if full is not None else attend_mask(slots, cache.capacity, rel_mask)
         windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)
         inv = None
-        if self.invariant:  # never under compiled steps (dense only): host ints and reads are free
+        if self.invariant and key_len is None:  # never compiled (dense only): host ints and reads are free
             inv = self._invariant_rows(tokens.shape[0], cache.length, positions, rel_mask, full, mask)
         a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len, inv)
         h = self.embed(tokens)  # [T, H]
         if cp is None:
+            linears = self.prefill_linears() if key_len is not None else self.linears
             for li, layer in enumerate(self.layers):
-                lin = self.linears[li]
+                lin = linears[li]
                 h = h + self.attention(lin, layer.input_layernorm(h), li, a)
                 h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
         else:
