@@ -26,22 +26,28 @@ from studies.encode import encode_prompt  # noqa: E402
 TASKS = ("humaneval", "gsm8k")
 
 
-def token_logits(lm, ids: list[int]) -> torch.Tensor:
-    """Logits after every prefix of ``ids`` (one prefill), float32 ``[len(ids), V]``."""
-    cache = lm.new_cache(len(ids) + 1)
+def next_logits(lm, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits predicting each token of ``continuation`` after ``prompt``, float32 ``[len, V]``: the
+    prompt as a prefill, the continuation as one more forward, whose rows a quantised model computes
+    exactly as its decode steps do (its prefill may run other kernels: ``runtime.linear.bf16_prefill``)."""
+    cache = lm.new_cache(len(prompt) + len(continuation) + 1)
     with torch.inference_mode():
-        return lm(torch.tensor(ids, device=lm.device), cache).float()
+        first = lm(torch.tensor(prompt, device=lm.device), cache, logits_for=slice(-1, None))
+        if len(continuation) < 2:
+            return first.float()
+        rest = lm(torch.tensor(continuation[:-1], device=lm.device), cache)
+        return torch.cat([first, rest]).float()
 
 
 def agreement(lm, prompt: list[int], continuation: list[int]) -> tuple[int, int]:
     """(tokens whose argmax equals the float32 target's greedy token, tokens)."""
-    logits = token_logits(lm, prompt + continuation)[len(prompt) - 1 : -1]
+    logits = next_logits(lm, prompt, continuation)
     return int((logits.argmax(-1) == torch.tensor(continuation)).sum()), len(continuation)
 
 
 def nll(lm, prompt: list[int], reference: list[int]) -> tuple[float, int]:
     """(summed negative log-likelihood of ``reference`` after ``prompt``, its tokens)."""
-    logits = token_logits(lm, prompt + reference)[len(prompt) - 1 : -1]
+    logits = next_logits(lm, prompt, reference)
     logp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(reference)[:, None])
     return float(-logp.sum()), len(reference)
 
