@@ -217,7 +217,7 @@ def sdpa(
 class InvariantRows:
     """How the rows of one forward attend on the quantised backends (:func:`sdpa_invariant`).
 
-    Contiguous rows (a prefill, a plain step, a chain's verify) sit at the slot of their position
+    Contiguous rows (a plain step, a chain's verify, a batch's rows) sit at the slot of their position
     and attend to every slot up to it: they attend over the cache as it is, in the groups of
     ``blocks``. A tree's rows sit past their positions, their ancestors scattered over the round's
     slots: each row's attended slots are gathered (``order``) into the columns a plain step at its
@@ -258,7 +258,8 @@ def sdpa_invariant(
     blocks whose size follows from the row count, and a short block takes another GEMM path.
     Float32 greedy decoding shrugs such last-ulp differences off; quantised weights and activations
     round them into different tokens (a w8a8 verify of 11 rows parted from plain decoding on the
-    1.5B), so the quantised backends attend this way, the prefill included."""
+    1.5B), so the quantised backends attend this way after the prefill (which runs once per prompt,
+    the same way in every decoding mode)."""
     h, t, d = q.shape
     hkv = k.shape[0]
     rep = h // hkv

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    RotaryTable, Windows, apply_rope, attend_mask, check_rope, InvariantRows, layer_type_windows, mistral_windows,
+    InvariantRows, RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows,
     no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
 from runtime.compiled import bucketed, compile_step, note_step, run_step, step_key
@@ -109,7 +109,9 @@ class CausalLM:
         self.head_rows: int | None = None  # restrict the output head to ids [0, head_rows)
         self.backend, self.width = "dense", 1
         self.linears: list[dict[str, Linear]] = []
-        self._prefill_linears: list[dict[str, Linear]] | None = None  # built on the first prefill that uses them
+        # {"linears": ...}: the prefill's projections, built on the first prefill that uses them and
+        # shared (the dict itself) by every wrapper sharing this one's linears
+        self._prefill: dict[str, list[dict[str, Linear]]] = {}
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
@@ -147,7 +149,7 @@ class CausalLM:
             {name: make_linear(backend, mod.weight, mod.bias, width, _source(mod)) for name, mod in _projections(layer)}
             for layer in self.layers
         ]
-        self._prefill_linears = None
+        self._prefill = {}
         self.head = self._build_head()
 
     def prefill_linears(self) -> list[dict[str, Linear]]:
@@ -157,13 +159,13 @@ class CausalLM:
         come from bf16 weights rather than the int4/int8 kernels (agreement in docs/benchmarks.md)."""
         if not bf16_prefill(self.backend):
             return self.linears
-        if self._prefill_linears is None:
-            self._prefill_linears = [
+        if "linears" not in self._prefill:
+            self._prefill["linears"] = [
                 {name: prefill_linear(mod.weight, mod.bias, _source(mod) if self.backend == "int4" else None)
                  for name, mod in _projections(layer)}
                 for layer in self.layers
             ]
-        return self._prefill_linears
+        return self._prefill["linears"]
 
     def share_linears_from(self, other: "CausalLM") -> None:
         """Reuse ``other``'s executed projections (e.g. one packed copy of the weights per width)."""
@@ -171,7 +173,7 @@ class CausalLM:
             raise ValueError("can only share linears between wrappers of the same model")
         self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
         self.linears, self.head = other.linears, other.head
-        self._prefill_linears = other._prefill_linears
+        self._prefill = other._prefill
         self._plans = other._plans
 
     def compiled(self, plan: LayerPlan) -> CompiledPlan:

@@ -334,3 +334,29 @@ def test_quantised_decode_does_not_depend_on_the_cache_capacity():
         for capacity in (270, 300, 400, 512):
             got = decode(capacity)
             assert all(torch.equal(a, b) for a, b in zip(want, got)), capacity
+
+
+def test_quantised_prefill_runs_bf16_copies_shared_between_wrappers():
+    """Where the CPU has bf16 GEMMs, an int4 model's prefill runs bf16 copies of its weights, built
+    once for every wrapper sharing its linears; the prompt's next-token logits stay close to what the
+    int4 steps compute, and the steps after it still run the int4 kernels."""
+    from runtime.linear import bf16_prefill
+
+    model = tiny_model("qwen2", 5, layers=3)
+    lm = _quantised(model, "int4")
+    if not bf16_prefill("int4"):
+        assert lm.prefill_linears() is lm.linears
+        pytest.skip("no native bf16 GEMM on this CPU: the prefill runs the int4 kernels")
+    other = CausalLM(model)
+    other.share_linears_from(lm)
+    prefill = lm.prefill_linears()
+    assert prefill[0]["q"].kind == "bf16" and lm.linears[0]["q"].kind == "int4"
+    assert other.prefill_linears() is prefill
+    prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        by_prefill = lm(prompt, lm.new_cache(64))[-1]
+        cache = lm.new_cache(64)
+        lm(prompt[:1], cache)
+        by_steps = lm(prompt[1:], cache)[-1]  # not a prefill: the int4 kernels
+    assert not torch.equal(by_prefill, by_steps)
+    assert torch.allclose(by_prefill, by_steps, atol=0.15 * by_steps.abs().max().item())
