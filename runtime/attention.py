@@ -224,20 +224,26 @@ class InvariantRows:
     position would read them from, since the kernel's sums depend on which column holds what."""
 
     blocks: KeyBlocks  # contiguous rows: (first row, end row, key count) per group
-    positions: tuple[int, ...] = ()  # a tree's row positions (host ints); () for contiguous rows
+    positions: torch.Tensor | None = None  # [T] a tree's row positions; None for contiguous rows
     order: torch.Tensor | None = None  # [T, K] each tree row's attended slots, ascending (then the rest)
+    groups: tuple[tuple[torch.Tensor, int], ...] = ()  # a tree's (rows, key count) groups
 
     @staticmethod
     def contiguous(start: int, t: int) -> "InvariantRows":
         return InvariantRows(key_blocks(start, t))
 
     @staticmethod
-    def gathered(mask: torch.Tensor, positions: list[int]) -> "InvariantRows":
+    def gathered(mask: torch.Tensor, positions: torch.Tensor) -> "InvariantRows":
         """``mask`` ``[T, S]``: the slots each row attends to (no sliding window), which are its
-        positions ``0 .. positions[r]`` in ascending slot order."""
-        keys = round_keys(max(positions) + 1)
-        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :keys]
-        return InvariantRows((), tuple(positions), order)
+        positions ``0 .. positions[r]`` in ascending slot order. Reads ``positions`` back (the
+        quantised backends run on the CPU: no synchronisation)."""
+        counts = [round_keys(p + 1) for p in positions.tolist()]
+        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, : max(counts)]
+        groups = tuple(
+            (torch.tensor([r for r, c in enumerate(counts) if c == keys], device=mask.device), keys)
+            for keys in sorted(set(counts))
+        )
+        return InvariantRows((), positions, order, groups)
 
 
 def sdpa_invariant(
@@ -278,20 +284,18 @@ def _gathered(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rows: InvariantRows, window: int | None
 ) -> torch.Tensor:
     """Tree rows: each row's keys gathered into position order, one query block per row."""
-    assert rows.order is not None
+    assert rows.order is not None and rows.positions is not None
     h, t, d = q.shape
     hkv = k.shape[0]
     rep = h // hkv
     block = -(-rep // INVARIANT_ROWS) * INVARIANT_ROWS
     cols = torch.arange(rows.order.shape[1], device=q.device)
-    pos = torch.tensor(rows.positions, device=q.device)
+    pos = rows.positions
     seen = cols[None, :] <= pos[:, None]  # [T, K]: columns 0 .. position, as a plain step's
     if window is not None:  # HF: a key at position c is visible from position p iff c > p - window
         seen &= cols[None, :] > pos[:, None] - window
-    counts = [round_keys(p + 1) for p in rows.positions]
     out = q.new_empty(h, t, d)
-    for keys in sorted(set(counts)):
-        idx = torch.tensor([r for r in range(t) if counts[r] == keys], device=q.device)
+    for idx, keys in rows.groups:
         n = idx.numel()
         order = rows.order[idx, :keys]  # [n, keys]
         kg, vg = k[:, order].transpose(0, 1), v[:, order].transpose(0, 1)  # [n, Hkv, keys, D]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.quant import (
-    Int8DynamicLinear, Int8WeightOnlyLinear, W8A8Linear, fbgemm_available, int4_linear, int_mm_available,
+    Bf16Linear, Int8DynamicLinear, Int8WeightOnlyLinear, W8A8Linear, fbgemm_available, int4_linear, int_mm_available,
     weight_only_available,
 )
 
@@ -32,23 +32,6 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class Bf16Linear:
-    """bfloat16 weights, float in and out: a quantised model's prefill, whose many rows the int4 and
-    int8 weight-only kernels run compute-bound (157 rows of the 1.5B's 8960x1536 MLP matrix: int4
-    24.3 ms, bf16 2.4 ms on this machine's AMX Xeon)."""
-
-    kind = "bf16"
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_dtype = weight.dtype
-        self.weight = weight.detach().to(torch.bfloat16)
-        self.bias = None if bias is None else bias.detach()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(self.out_dtype)
-        return y if self.bias is None else y + self.bias
 
 
 # backends whose many-row calls cost far more than a bfloat16 GEMM: their prefill runs bf16 copies

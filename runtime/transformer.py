@@ -333,13 +333,12 @@ class CausalLM:
         t: int, start: int, positions: torch.Tensor, rel_mask: torch.Tensor | None, full: torch.Tensor | None,
         mask: torch.Tensor,
     ) -> InvariantRows:
-        """How this forward's rows attend on a quantised backend (CPU only: reading ``positions``
-        back costs no synchronisation)."""
+        """How this forward's rows attend on a quantised backend."""
         if full is not None:  # an explicit mask (diagnostics): any row may see any slot of the forward
             return InvariantRows(((0, t, round_keys(start + t)),))
         if rel_mask is None:
             return InvariantRows.contiguous(start, t)
-        return InvariantRows.gathered(mask, positions.tolist())
+        return InvariantRows.gathered(mask, positions)
 
     def forward_batch(self, parts: Sequence[BatchPart]) -> list[torch.Tensor]:
         """One forward over several sequences' new rows (continuous batching) -> logits
