@@ -152,15 +152,10 @@ def candidates(prior: Strategy, width: int, kinds: Iterable[str], lookup_length:
     return fits if prior in fits else [prior]
 
 
-def decoder_options(prior: Strategy, decoder: Decoder, settings: ControlSettings,
-                    also: Iterable[Strategy] = ()) -> list[Strategy]:
-    """``candidates`` of ``prior``, and ``also`` (e.g. a server's default strategy), that ``decoder``
-    can switch to (its drafters, its verify width)."""
+def decoder_options(prior: Strategy, decoder: Decoder, settings: ControlSettings) -> list[Strategy]:
+    """``candidates`` of ``prior`` that ``decoder`` can switch to (its drafters, its verify width)."""
     kinds = ([decoder.kind] if decoder.kind else []) + list(decoder.standby)
-    out = candidates(prior, decoder.verify_width, kinds, settings.lookup_length)
-    extra = [s for s in also if s not in out and s.speculates and s.drafter in kinds
-             and s.max_tree_nodes + 1 <= decoder.verify_width]
-    return out + extra
+    return candidates(prior, decoder.verify_width, kinds, settings.lookup_length)
 
 
 @dataclass
@@ -198,15 +193,12 @@ class RequestController:
 
     def __init__(self, prior: Strategy, decoder: Decoder, cost: CostModel, prompt_len: int,
                  settings: ControlSettings = ControlSettings(), corrections: Corrections | None = None,
-                 clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None,
-                 also: Iterable[Strategy] = ()) -> None:
+                 clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None) -> None:
         """``prior``: the route's strategy (its candidates are built around it); ``start``: where
-        decoding starts when not there (``RoutePriors``; one of the candidates, applied here);
-        ``also``: further candidates (a server's default strategy: a route stored as plain
-        decoding can still reach the draft model where its requests' tokens favour it)."""
+        decoding starts when not there (``RoutePriors``; one of the candidates, applied here)."""
         self.prior, self.cost, self.settings, self.clock = prior, cost, settings, clock
         self.corrections = corrections if corrections is not None else Corrections()
-        self.options = decoder_options(prior, decoder, settings, also)
+        self.options = decoder_options(prior, decoder, settings)
         self.horizon = max([s.draft_length for s in self.options if s.speculates] or [1])
         self.window = Window(settings.window, self.horizon, cost)
         self.prompt_len = prompt_len
