@@ -132,13 +132,32 @@ BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
 # width-invariant attention too (runtime.attention.sdpa), so every width computes a row the same
 ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8")
 
+# backends whose output columns are computed independently of each other: one call over several
+# projections' concatenated weights (q/k/v, gate/up) gives each part bit-identically what its own
+# call gives (tests/runtime/test_quantised.py), for fewer calls and casts per layer (a step of the
+# int4 1.5B: 28 x 7 -> 28 x 4 calls). float32 and bf16 GEMMs may block differently by width, so
+# they keep one call per projection (float32 is bit-identical to Hugging Face's forward).
+FUSED_BACKENDS = ("int8", "int4", "w8a8")
+# fused projection -> its parts, in output order
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
 # the output head's backend where it differs from the projections': int4 models keep an int8 head (as
 # llama.cpp's Q4_K_M files keep a 6-bit one): the head decides the argmax, and int4 groups cost it
 # ~4% of its largest weight (SmolLM2), int8 channels ~0.4%
 HEAD_BACKENDS: dict[str, str] = {"int4": "int8"}
 
 
-def head_backend(backend: str) -> str:
+# a draft model's head where it differs from its target-style one: drafts never have to be exact (the
+# target verifies every token), and an int4 head halves the int8 head's time (Qwen2.5-Coder-0.5B:
+# its 151936x896 head is ~9 of a 34 ms int4 step) for ~1.6% of argmax flips (docs/benchmarks.md)
+DRAFT_HEAD_BACKENDS: dict[str, str] = {"int4": "int4"}
+
+
+def head_backend(backend: str, draft: bool = False) -> str:
+    """The output head's backend for a model whose projections run ``backend`` (as a draft: its
+    draft head)."""
+    if draft and backend in DRAFT_HEAD_BACKENDS:
+        return DRAFT_HEAD_BACKENDS[backend]
     return HEAD_BACKENDS.get(backend, backend)
 
 

@@ -59,7 +59,7 @@ class ModelPool:
             prepare_backend(draft, backend)
             lm = CausalLM(draft.hf_model)
             lm.restrict_head(head)
-            lm.use_linear_backend(backend)
+            lm.use_linear_backend(backend, draft=True)
             self._prepared[key] = lm
         shared = CausalLM(draft.hf_model)
         shared.share_linears_from(self._prepared[key])

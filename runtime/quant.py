@@ -42,6 +42,16 @@ class Int4Weights:
         """The first ``n`` output rows (a restricted head)."""
         return Int4Weights(self.q[:n].contiguous(), self.scale[:n].contiguous(), self.zero[:n].contiguous(), self.group)
 
+    @staticmethod
+    def cat(parts: "list[Int4Weights]") -> "Int4Weights":
+        """Several matrices' weights stacked along the output rows (one fused projection)."""
+        if len({p.group for p in parts}) != 1:
+            raise ValueError("int4 weights of different group sizes cannot be stacked")
+        return Int4Weights(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), torch.cat([p.zero for p in parts]),
+            parts[0].group,
+        )
+
     def dequantise(self) -> torch.Tensor:
         n, k = self.q.shape
         q = self.q.view(n, k // self.group, self.group).float() - 8

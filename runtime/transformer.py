@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.linear import (
-    ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear, prefill_linear, row_way,
+    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear, prefill_linear, row_way,
 )
 from runtime.linear import run_rows as run_linear_rows
+from runtime.quant import Int4Weights
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -107,7 +109,7 @@ class CausalLM:
         windows = family.windows(cfg)
         self.windows: Windows | None = windows if any(w is not None for w in windows) else None
         self.head_rows: int | None = None  # restrict the output head to ids [0, head_rows)
-        self.backend, self.width = "dense", 1
+        self.backend, self.width, self.head_backend = "dense", 1, "dense"
         self.linears: list[dict[str, Linear]] = []
         # {"linears": ...}: the prefill's projections, built on the first prefill that uses them and
         # shared (the dict itself) by every wrapper sharing this one's linears
@@ -142,11 +144,14 @@ class CausalLM:
             )
         self._compiled_step = compile_step(self._step, self.device) if enabled else None
 
-    def use_linear_backend(self, backend: str, width: int = 1) -> None:
-        """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``)."""
-        self.backend, self.width = backend, width
+    def use_linear_backend(self, backend: str, width: int = 1, draft: bool = False) -> None:
+        """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``);
+        ``draft``: this wrapper only drafts, so its head may run a faster, inexact backend
+        (``runtime.linear.DRAFT_HEAD_BACKENDS``)."""
+        self.backend, self.width, self.head_backend = backend, width, head_backend(backend, draft)
+        fuse = backend in FUSED_BACKENDS
         self.linears = [
-            {name: make_linear(backend, mod.weight, mod.bias, width, _source(mod)) for name, mod in _projections(layer)}
+            _layer_linears(layer, lambda w, b, src: make_linear(backend, w, b, width, src), fuse)
             for layer in self.layers
         ]
         self._prefill = {}
@@ -172,6 +177,7 @@ class CausalLM:
         if other.hf_model is not self.hf_model:
             raise ValueError("can only share linears between wrappers of the same model")
         self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
+        self.head_backend = other.head_backend
         self.linears, self.head = other.linears, other.head
         self._prefill = other._prefill
         self._plans = other._plans
@@ -194,7 +200,7 @@ class CausalLM:
             w = w[: self.head_rows].contiguous()
             b = None if b is None else b[: self.head_rows].contiguous()
             source = None if source is None else source.rows(self.head_rows)
-        backend = head_backend(self.backend)
+        backend = self.head_backend
         return make_linear(backend, w, b, self.width, source if backend == self.backend else None)
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -217,7 +223,7 @@ class CausalLM:
     def attention(self, lin: dict[str, Linear], x: torch.Tensor, li: int, a: AttnInputs) -> torch.Tensor:
         """Attention sub-layer ``li`` on ``x`` ``[T, H]`` (already normed): writes its K/V to the
         cache at ``a.slots`` and attends under ``a``'s mask for this layer."""
-        out, q, k, v = self._attend(lin["q"](x), lin["k"](x), lin["v"](x), li, a)
+        out, q, k, v = self._attend(*self._qkv(lin, x), li, a)
         o = lin["o"](out)
         if self.recorder is not None:
             self.recorder.attn(li, q, k, v, o)
@@ -243,8 +249,20 @@ class CausalLM:
             out = sdpa(q, keys, values, mask, causal, self.scale)
         return out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim), q, k, v
 
+    def _qkv(self, lin: dict[str, Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v projected from ``x``: one call where the backend fuses them."""
+        if "qkv" in lin:
+            d = self.dims
+            dkv = d.n_kv_heads * d.head_dim
+            return tuple(lin["qkv"](x).split([d.n_heads * d.head_dim, dkv, dkv], dim=-1))
+        return lin["q"](x), lin["k"](x), lin["v"](x)
+
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
-        return lin["down"](layer.mlp.act_fn(lin["gate"](x)) * lin["up"](x))
+        if "gate_up" in lin:
+            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+        else:
+            gate, up = lin["gate"](x), lin["up"](x)
+        return lin["down"](layer.mlp.act_fn(gate) * up)
 
     def forward(
         self,
@@ -369,11 +387,11 @@ class CausalLM:
         for li, layer in enumerate(self.layers):
             lin = self.linears[li]
             x = layer.input_layernorm(h)
-            q, k, v = (run_rows(lin[name], x).split(sizes) for name in ("q", "k", "v"))
+            q, k, v = (y.split(sizes) for y in self._qkv({n: partial(run_rows, f) for n, f in lin.items()}, x))
             outs = [self._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
             h = h + run_rows(lin["o"], torch.cat(outs))
             x = layer.post_attention_layernorm(h)
-            h = h + run_rows(lin["down"], layer.mlp.act_fn(run_rows(lin["gate"], x)) * run_rows(lin["up"], x))
+            h = h + self.mlp({n: partial(run_rows, f) for n, f in lin.items()}, layer, x)
         if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
             h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
             sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])
@@ -404,6 +422,31 @@ def _rows_key(rows: slice | torch.Tensor | None) -> Any:
 def _source(mod: Any) -> Any:
     """Prepared quantised weights of a linear module (``runtime.loading.prepare_int4``), if any."""
     return getattr(mod, "int4_weights", None)
+
+
+def _layer_linears(
+    layer: Any, make: Callable[[torch.Tensor, "torch.Tensor | None", Any], Linear], fuse: bool
+) -> dict[str, Linear]:
+    """A decoder layer's executed projections by name, built by ``make(weight, bias, source)``; with
+    ``fuse``, q/k/v and gate/up as one projection each (``runtime.linear.FUSED_PROJECTIONS``) where
+    every part has prepared quantised weights or none has (a mix would change some part's kernel)."""
+    mods = dict(_projections(layer))
+    out: dict[str, Linear] = {}
+    for fused, names in FUSED_PROJECTIONS.items() if fuse else ():
+        parts = [mods[n] for n in names]
+        sources = [_source(m) for m in parts]
+        if any(s is None for s in sources) and any(s is not None for s in sources):
+            continue
+        biases = [getattr(m, "bias", None) for m in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(biases, parts)]
+        )
+        source = None if sources[0] is None else Int4Weights.cat(sources)
+        out[fused] = make(torch.cat([m.weight for m in parts]).detach(), bias, source)
+        for n in names:
+            del mods[n]
+    out.update({name: make(mod.weight, mod.bias, _source(mod)) for name, mod in mods.items()})
+    return out
 
 
 def _projections(layer: Any) -> list[tuple[str, Any]]:

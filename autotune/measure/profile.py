@@ -117,13 +117,14 @@ def _timed(
     return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
 
 
-def served_lm(model: LoadedModel) -> CausalLM:
-    """``model`` as a plain step runs it: its precision's linear backend (dense for float ones)."""
+def served_lm(model: LoadedModel, draft: bool = False) -> CausalLM:
+    """``model`` as a plain step runs it: its precision's linear backend (dense for float ones);
+    ``draft``: as a draft model drafts (its draft head, ``runtime.pipeline.ModelPool.draft_wrapper``)."""
     lm = CausalLM(model.hf_model)
     backend = PRECISIONS[model.precision].backend
     if backend != "dense":
         prepare_backend(model, backend)
-        lm.use_linear_backend(backend)
+        lm.use_linear_backend(backend, draft=draft)
     return lm
 
 
@@ -153,9 +154,12 @@ def draft_plans(n_layers: int, lp_sizes: tuple[int, ...]) -> list[tuple[str, Lay
     return [("none", None)] + [(f"lp{lp}", easyspec_plan(n_layers, lp)) for lp in sorted(set(lp_sizes))]
 
 
-def profile_draft(drafting: LoadedModel, plain_ms: float, s: ProfileSettings) -> list[StepTime]:
-    """The draft step under each plan, with c = its time / the plain target step."""
-    lm = served_lm(drafting)
+def profile_draft(
+    drafting: LoadedModel, plain_ms: float, s: ProfileSettings, own_model: bool = True
+) -> list[StepTime]:
+    """The draft step under each plan, with c = its time / the plain target step; ``own_model``:
+    a draft model (its draft head), else the target drafting itself (layer skipping)."""
+    lm = served_lm(drafting, draft=own_model)
     out = []
     for label, plan in draft_plans(lm.dims.n_layers, s.lp_sizes):
         row = _timed("draft", drafting.name, lm, 1, plan, label, s)
@@ -176,7 +180,7 @@ def run_profile(
     target = pool.get(model, prec.name)
     plain, verify = profile_target(target, s)
     drafting = pool.get(draft, prec.name) if draft else target
-    drafts = profile_draft(drafting, plain.ms, s)
+    drafts = profile_draft(drafting, plain.ms, s, own_model=bool(draft))
     return {
         "config": {
             "model": target.model_id, "draft": drafting.model_id if draft else None, "device": device,

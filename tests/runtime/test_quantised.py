@@ -109,6 +109,43 @@ def test_tiny_speculation_equals_plain_at_the_same_precision(backend):
 
 
 @pytest.mark.parametrize("backend", ROW_INVARIANT)
+def test_fused_projections_compute_each_part_bit_identically(backend, monkeypatch):
+    """The quantised backends run q/k/v and gate/up as one call each (runtime.linear.FUSED_BACKENDS);
+    every logit of steps and a verify equals what one call per projection gives, bit for bit."""
+    import runtime.transformer as transformer
+
+    model = tiny_model("qwen2", 5, layers=3)  # q/k/v with biases
+    fused = _quantised(model, backend)
+    assert set(fused.linears[0]) == {"qkv", "o", "gate_up", "down"}
+    monkeypatch.setattr(transformer, "FUSED_BACKENDS", ())
+    separate = _quantised(model, backend)
+    assert set(separate.linears[0]) == {"q", "k", "v", "o", "gate", "up", "down"}
+    tokens = torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(2))
+    logits = []
+    with torch.inference_mode():
+        for lm in (fused, separate):
+            cache = lm.new_cache(16)  # a 1-row first forward is a step, not a prefill
+            logits.append([lm(tokens[:1], cache), lm(tokens[1:6], cache), lm(tokens[6:], cache)])
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+def test_an_int4_draft_runs_an_int4_head_and_a_target_never_does():
+    """Drafts need not be exact: an int4 draft wrapper's head runs int4 (half the int8 head's time);
+    a target's head stays int8 whatever wraps it."""
+    model = tiny_model("qwen2", 5, layers=3)
+    target = _quantised(model, "int4")
+    draft = CausalLM(model)
+    draft.use_linear_backend("int4", draft=True)
+    assert target.head.kind == "int8" and draft.head.kind == "int4"
+    shared = CausalLM(model)
+    shared.share_linears_from(draft)
+    assert shared.head is draft.head
+    int8_draft = CausalLM(model)
+    int8_draft.use_linear_backend("int8", draft=True)
+    assert int8_draft.head.kind == "int8"
+
+
+@pytest.mark.parametrize("backend", ROW_INVARIANT)
 def test_quantised_tree_rows_equal_plain_steps(backend):
     """A tree verify's rows, whose ancestors sit scattered over the round's slots, compute the logits
     a plain step at their position computes, bit for bit, on every branch and across a 64-slot key
@@ -203,7 +240,9 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
             assert got.tokens == want, (precision, task, strategy)
             if strategy.drafter != "prompt-lookup":
                 assert got.stats.drafted > 0
-        drafted = build_decoder(qpool, target, strategies[0][0], "smollm2-135m").generate(ids, cfg).stats
+        chain = build_decoder(qpool, target, strategies[0][0], "smollm2-135m")
+        assert chain.target.head.kind == "int8" and chain.drafter.model.head.kind == other  # an int4 draft's head is int4
+        drafted = chain.generate(ids, cfg).stats
         assert sum(drafted.accept_hist[2:]) > 0  # depth >= 2 accepted
 
 
@@ -350,7 +389,7 @@ def test_quantised_prefill_runs_bf16_copies_shared_between_wrappers():
     other = CausalLM(model)
     other.share_linears_from(lm)
     prefill = lm.prefill_linears()
-    assert prefill[0]["q"].kind == "bf16" and lm.linears[0]["q"].kind == "int4"
+    assert prefill[0]["q"].kind == "bf16" and lm.linears[0]["qkv"].kind == "int4"
     assert other.prefill_linears() is prefill
     prompt = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
