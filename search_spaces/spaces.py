@@ -194,7 +194,8 @@ class SearchSpace(ABC):
 
     def sweep(self, strategy: Strategy, ctx: SpaceContext) -> list[Strategy]:
         """``strategy``'s family on a grid: the points of the space with its drafter and layer plan
-        at every ``SWEEP_LENGTHS`` length up to ``max_draft_length`` (and that), every ``SWEEP_THRESHOLDS``
+        at every ``SWEEP_LENGTHS`` length up to ``max_draft_length`` (and that; prompt lookup at every
+        length), every ``SWEEP_THRESHOLDS``
         threshold and every ``SWEEP_HEADS`` tree head (the last two where the drafter has them),
         a draft model's with ``lookup_first`` off and on.
         Once the plan's matches on a window are cached, scoring the whole family there is
@@ -202,8 +203,8 @@ class SearchSpace(ABC):
         if not strategy.speculates:
             return []
         lengths = sorted({n for n in SWEEP_LENGTHS if n <= ctx.max_draft_length} | {ctx.max_draft_length})
-        if strategy.drafter == "prompt-lookup":
-            grid = [replace(strategy, draft_length=n) for n in lengths]
+        if strategy.drafter == "prompt-lookup":  # token arithmetic only: every length (row-blocked kernels price them unevenly)
+            grid = [replace(strategy, draft_length=n) for n in range(MIN_DRAFT_LENGTH, ctx.max_draft_length + 1)]
         else:
             grid = []
             copying = (False, True) if strategy.drafter == "draft-model" else (False,)

@@ -76,7 +76,12 @@ def _to_hf(strategy: Any, draft_id: str) -> tuple[Any, list[str]]:
     if strategy.drafter == "none":
         return {}, []
     if strategy.drafter == "prompt-lookup":
-        return {"prompt_lookup_num_tokens": strategy.draft_length, "max_matching_ngram_size": _lookup_ngrams()[0]}, []
+        high, low = _lookup_ngrams()
+        dropped = [] if low <= 1 else [
+            f"hf has no minimum matching n-gram (ours: {low}; it also copies after shorter matches); "
+            "exported without (output unchanged, speed may differ)"
+        ]
+        return {"prompt_lookup_num_tokens": strategy.draft_length, "max_matching_ngram_size": high}, dropped
     config = {
         "assistant_model": draft_id, "num_assistant_tokens": strategy.draft_length,
         "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": strategy.confidence_threshold,

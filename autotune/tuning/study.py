@@ -412,7 +412,8 @@ def best_lookup(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext,
     with verifies that run their own rows, a shorter copy can beat the longest). -> (strategy, its
     prediction), or ``scored`` where nothing could be priced."""
     priced = [(s, tuner.task_tps(s)) for s in space.sweep(scored[0], ctx)]
-    best = max(((s, v) for s, v in priced if v), key=lambda sv: sv[1], default=None)
+    # equal predictions: the text never used the extra length; the longer copy is the one that can
+    best = max(((s, v) for s, v in priced if v), key=lambda sv: (sv[1], sv[0].draft_length), default=None)
     return best if best is not None else scored
 
 

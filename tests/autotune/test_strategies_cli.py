@@ -70,8 +70,8 @@ def test_export_json_reads_back_as_a_strategy_file(url, capsys, tmp_path):
     ("draft", "hf", {"assistant_model": "smollm2-135m", "num_assistant_tokens": 6,
                      "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.5}),
     ("draft", "vllm", {"model": "smollm2-135m", "num_speculative_tokens": 6}),
-    ("lookup", "hf", {"prompt_lookup_num_tokens": 7, "max_matching_ngram_size": 3}),
-    ("lookup", "vllm", {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+    ("lookup", "hf", {"prompt_lookup_num_tokens": 7, "max_matching_ngram_size": 8}),
+    ("lookup", "vllm", {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 8, "prompt_lookup_min": 2}),
     ("plain", "hf", {}),
     ("plain", "vllm", None),
 ])
@@ -80,6 +80,8 @@ def test_export_engine_configs(url, capsys, name, fmt, expected):
     assert code == 0 and json.loads(out) == expected
     if name == "draft":  # speed-only settings the engine lacks are named on stderr
         assert "draft_vocab=32768" in err
+    if (name, fmt) == ("lookup", "hf"):  # HF copies after any match down to one token
+        assert "no minimum matching n-gram (ours: 2" in err
 
 
 @pytest.mark.parametrize("name,needle", [

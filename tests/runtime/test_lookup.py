@@ -188,7 +188,7 @@ def test_greedy_lookup_spec_equals_plain(k):
 def test_sampled_lookup_spec_gives_valid_tokens():
     target = tiny_model("llama", 41)
     vocab = CausalLM(target).dims.vocab
-    decoder = Decoder(CausalLM(target), PromptLookupDrafter(max_ngram=2), draft_length=4, verify_width=5)
+    decoder = Decoder(CausalLM(target), PromptLookupDrafter(max_ngram=2, min_ngram=1), draft_length=4, verify_width=5)
     drafted = 0
     for seed in range(3):
         cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=1.0), seed=seed)
