@@ -1,7 +1,11 @@
-"""The checks behind docs/benchmarks.md's "A lossless bug at int4, and a bf16 prefill":
+"""The checks behind docs/benchmarks.md's "A lossless bug at int4, and a bf16 prefill" and "Prompt
+lookup's n-grams, a faster draft head":
 
     python tools/quantised_checks.py identity   # plain vs the draft chain, token for token, MT-Bench 0-3
     python tools/quantised_checks.py timings    # a step, a chain verify, a tree verify, the prefill; kernels by rows
+    python tools/quantised_checks.py lookup --task humaneval --limit 5 --max-new-tokens 128
+                                                # prompt lookup's n-grams and lengths, replayed at timed verify costs
+    python tools/quantised_checks.py heads --limit 10   # the output head at int8 / int4 vs the float head
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from runtime.decoding import GenerationConfig  # noqa: E402
+from runtime.lookup import PromptLookupDrafter  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
 from runtime.quant import Bf16Linear, Int4WeightOnlyLinear  # noqa: E402
 from runtime.tree import compile_tree, tree_tables  # noqa: E402
@@ -91,9 +96,92 @@ def timings(args: argparse.Namespace) -> None:
             print(f"8960x1536 at {n} rows: " + ", ".join(f"{k} {v:.1f} ms" for k, v in row.items()))
 
 
+def lookup(args: argparse.Namespace) -> None:
+    """Prompt lookup's n-gram sizes and lengths, replayed as it decodes over plain greedy outputs
+    (``--limit`` prompts, ``--max-new-tokens``) at the verify costs timed here by row count."""
+    pool = ModelPool()
+    target = pool.get(args.model, args.precision)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
+    plain = build_decoder(pool, target, PLAIN)
+    seqs = []
+    for prompt in load_prompts(args.task, None, args.limit, args.offset):
+        ids = encode_prompt(prompt, target.tokenizer)
+        seqs.append((ids, plain.generate(ids, cfg).tokens))
+    lm = plain.target
+    ctx = torch.randint(0, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    cache = lm.new_cache(args.prompt_tokens + 32)
+    lm(ctx, cache, logits_for=slice(-1, None))
+    base = cache.length
+
+    def verify(rows: int) -> Callable[[], object]:
+        def run():
+            cache.rollback(base)
+            return lm(ctx[:rows], cache)
+        return run
+
+    cost = {r: best_ms(verify(r), 3) for r in range(1, 17)}
+    print("verify ms by rows: " + ", ".join(f"{r}: {c:.0f}" for r, c in cost.items()))
+
+    def replay(min_n: int, max_n: int, k: int) -> float:
+        ms = tokens = 0.0
+        for ids, out in seqs:
+            drafter = PromptLookupDrafter(max_ngram=max_n, min_ngram=min_n)
+            drafter.begin(ids + out[:1], 0)
+            i = 1
+            while i < len(out):
+                proposal = drafter.propose(k, None, None).tokens.tolist()
+                a = 0
+                while a < len(proposal) and i + a < len(out) and proposal[a] == out[i + a]:
+                    a += 1
+                n = min(a + 1, len(out) - i)
+                ms, tokens = ms + cost[len(proposal) + 1], tokens + n
+                drafter.observe(a, out[i : i + n])
+                i += n
+        plain_ms = sum(len(o) - 1 for _, o in seqs) * cost[1]
+        return plain_ms / ms if ms else 0.0  # decode-only speed-up over plain steps
+
+    lengths = (3, 6, 7, 10, 11, 15)
+    print("| n-grams (min, max) | " + " | ".join(f"k={k}" for k in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for min_n, max_n in ((1, 3), (1, 8), (2, 8), (3, 8)):
+        print(f"| ({min_n}, {max_n}) | " + " | ".join(f"{replay(min_n, max_n, k):.2f}x" for k in lengths) + " |")
+
+
+def heads(args: argparse.Namespace) -> None:
+    """The output head alone at int8 and int4 against the float head (the GGUF's own weights,
+    dequantised): argmax agreement and reference perplexity on the int4 model's hidden states over
+    the tasks' reference answers (``--limit`` prompts each)."""
+    from precision_quality import next_logits
+
+    from runtime.quant import Int4WeightOnlyLinear
+
+    pool = ModelPool()
+    loaded = pool.get(args.model, args.precision)
+    lm = pool.served(loaded)
+    weight = lm.lm_head.weight.detach().float()
+    variants = {"float": lambda h: h @ weight.t(), "int8": lm.head, "int4": Int4WeightOnlyLinear(weight, None)}
+    served_head, lm.head = lm.head, (lambda h: h.clone())  # the forward then returns the normed hidden states
+    hidden, refs = [], []
+    for task in ("humaneval", "gsm8k"):
+        for prompt in load_prompts(task, None, args.limit, args.offset):
+            if prompt.reference:
+                ref = loaded.tokenizer(prompt.reference, add_special_tokens=False)["input_ids"][:200]
+                hidden.append(next_logits(lm, encode_prompt(prompt, loaded.tokenizer), ref))
+                refs.append(torch.tensor(ref))
+    lm.head = served_head
+    h, y = torch.cat(hidden), torch.cat(refs)
+    logits = {k: torch.cat([f(h[i : i + 64]).float() for i in range(0, len(h), 64)]) for k, f in variants.items()}
+    top = logits["float"].argmax(-1)
+    print(f"{len(h)} positions")
+    for name, got in logits.items():
+        ppl = torch.exp(-torch.log_softmax(got, -1).gather(1, y[:, None]).mean())
+        print(f"{name} head: argmax agreement with the float head {(got.argmax(-1) == top).float().mean():.4f}, "
+              f"perplexity {ppl:.4f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=("identity", "timings"))
+    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -104,7 +192,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=300)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    {"identity": identity, "timings": timings}[args.check](args)
+    {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads}[args.check](args)
     return 0
 
 
