@@ -24,7 +24,8 @@ from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.linear import (
-    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear, prefill_linear, row_way,
+    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear,
+    prefill_linear, row_way,
 )
 from runtime.linear import run_rows as run_linear_rows
 from runtime.quant import Int4Weights
@@ -438,9 +439,9 @@ def _layer_linears(
         if any(s is None for s in sources) and any(s is not None for s in sources):
             continue
         biases = [getattr(m, "bias", None) for m in parts]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(biases, parts)]
-        )
+        bias = None if all(b is None for b in biases) else torch.cat([
+            b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(biases, parts)
+        ])
         source = None if sources[0] is None else Int4Weights.cat(sources)
         out[fused] = make(torch.cat([m.weight for m in parts]).detach(), bias, source)
         for n in names:
