@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +29,13 @@ from runtime.linear import (
 from runtime.linear import run_rows as run_linear_rows
 from runtime.quant import Int4Weights
 from search_spaces.layer_plan import LayerPlan
+
+
+RunLinear = Callable[[Linear, torch.Tensor], torch.Tensor]  # how a projection is applied to rows
+
+
+def _apply(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
 
 
 @dataclass(frozen=True)
@@ -250,20 +256,21 @@ class CausalLM:
             out = sdpa(q, keys, values, mask, causal, self.scale)
         return out.transpose(0, 1).reshape(t, d.n_heads * d.head_dim), q, k, v
 
-    def _qkv(self, lin: dict[str, Linear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k and v projected from ``x``: one call where the backend fuses them."""
+    def _qkv(self, lin: dict[str, Linear], x: torch.Tensor, run: RunLinear = _apply) -> tuple[torch.Tensor, ...]:
+        """q, k and v projected from ``x`` (each projection through ``run``): one call where the
+        backend fuses them."""
         if "qkv" in lin:
             d = self.dims
             dkv = d.n_kv_heads * d.head_dim
-            return tuple(lin["qkv"](x).split([d.n_heads * d.head_dim, dkv, dkv], dim=-1))
-        return lin["q"](x), lin["k"](x), lin["v"](x)
+            return tuple(run(lin["qkv"], x).split([d.n_heads * d.head_dim, dkv, dkv], dim=-1))
+        return run(lin["q"], x), run(lin["k"], x), run(lin["v"], x)
 
-    def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor, run: RunLinear = _apply) -> torch.Tensor:
         if "gate_up" in lin:
-            gate, up = lin["gate_up"](x).chunk(2, dim=-1)
+            gate, up = run(lin["gate_up"], x).chunk(2, dim=-1)
         else:
-            gate, up = lin["gate"](x), lin["up"](x)
-        return lin["down"](layer.mlp.act_fn(gate) * up)
+            gate, up = run(lin["gate"], x), run(lin["up"], x)
+        return run(lin["down"], layer.mlp.act_fn(gate) * up)
 
     def forward(
         self,
@@ -388,11 +395,11 @@ class CausalLM:
         for li, layer in enumerate(self.layers):
             lin = self.linears[li]
             x = layer.input_layernorm(h)
-            q, k, v = (y.split(sizes) for y in self._qkv({n: partial(run_rows, f) for n, f in lin.items()}, x))
+            q, k, v = (y.split(sizes) for y in self._qkv(lin, x, run_rows))
             outs = [self._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
             h = h + run_rows(lin["o"], torch.cat(outs))
             x = layer.post_attention_layernorm(h)
-            h = h + self.mlp({n: partial(run_rows, f) for n, f in lin.items()}, layer, x)
+            h = h + self.mlp(lin, layer, x, run_rows)
         if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
             h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
             sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])

@@ -6,6 +6,7 @@ lookup's n-grams, a faster draft head":
     python tools/quantised_checks.py lookup --task humaneval --limit 5 --max-new-tokens 128
                                                 # prompt lookup's n-grams and lengths, replayed at timed verify costs
     python tools/quantised_checks.py heads --limit 10   # the output head at int8 / int4 vs the float head
+    python tools/quantised_checks.py kernels    # a step's profile; heads by threads; int4 groups; draft fused / head
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -179,9 +180,66 @@ def heads(args: argparse.Namespace) -> None:
               f"perplexity {ppl:.4f}")
 
 
+def kernels(args: argparse.Namespace) -> None:
+    """Where a plain step's time goes (``torch.profiler``, 5 steps), the output head at int8 and
+    int4 on one and two threads, int4 group sizes on the MLP matrices, and the draft model's step
+    with and without fused projections and with its int8 / int4 head."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import runtime.transformer as transformer
+    from runtime.quant import Int8WeightOnlyLinear, quantise_int4
+
+    pool = ModelPool()
+    ctx = torch.randint(0, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+
+    def step_of(lm) -> Callable[[], object]:
+        cache = lm.new_cache(args.prompt_tokens + 8)
+        lm(ctx, cache, logits_for=slice(-1, None))
+        base = cache.length
+
+        def run():
+            cache.rollback(base)
+            return lm(ctx[:1], cache)
+        return run
+
+    target = pool.served(pool.get(args.model, args.precision))
+    step = step_of(target)
+    print(f"{args.model} 1-row step: {best_ms(step, 10):.1f} ms")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    weight = target.lm_head.weight.detach().float()
+    x = torch.randn(1, weight.shape[1])
+    heads = {"int8": Int8WeightOnlyLinear(weight, None), "int4": Int4WeightOnlyLinear(weight, None)}
+    threads = torch.get_num_threads()
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        print(f"head {tuple(weight.shape)} on {n} thread(s): "
+              + ", ".join(f"{k} {best_ms(lambda f=f: f(x), 10):.1f} ms" for k, f in heads.items()))
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    mlp = [torch.randn(17920, 1536, generator=gen) * 0.02 for _ in range(8)]
+    x = torch.randn(1, 1536)
+    for group in (32, 128):
+        fs = [Int4WeightOnlyLinear(w, None, quantise_int4(w, group)) for w in mlp]
+        print(f"int4 group {group}, 8 fused gate/up 17920x1536 matrices: {best_ms(lambda: [f(x) for f in fs], 10):.2f} ms")
+    draft = pool.get(args.draft, args.precision)
+    vocab = target.dims.vocab
+    for fused in (True, False):
+        if not fused:
+            transformer.FUSED_BACKENDS = ()
+            pool = ModelPool()  # fresh wrappers, built unfused
+            draft = pool.get(args.draft, args.precision)
+        for name, lm in (("as a target (int8 head)", pool.served(draft)),
+                         ("as a draft", pool.draft_wrapper(draft, target.backend, None, vocab))):
+            print(f"{args.draft} step {'fused' if fused else 'one call per projection'}, {name}, "
+                  f"head {lm.head.kind}: {best_ms(step_of(lm), 15):.1f} ms")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads"))
+    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -192,7 +250,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=300)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads}[args.check](args)
+    {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels}[args.check](args)
     return 0
 
 
