@@ -135,7 +135,7 @@ ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8")
 # backends whose output columns are computed independently of each other: one call over several
 # projections' concatenated weights (q/k/v, gate/up) gives each part bit-identically what its own
 # call gives (tests/runtime/test_quantised.py), for fewer calls and casts per layer (a step of the
-# int4 1.5B: 28 x 7 -> 28 x 4 calls). float32 and bf16 GEMMs may block differently by width, so
+# int4 1.5B: 28 x 7 -> 28 x 4 calls; its time moved within noise). float32 and bf16 GEMMs may block differently by width, so
 # they keep one call per projection (float32 is bit-identical to Hugging Face's forward).
 FUSED_BACKENDS = ("int8", "int4", "w8a8")
 # fused projection -> its parts, in output order
@@ -148,9 +148,9 @@ HEAD_BACKENDS: dict[str, str] = {"int4": "int8"}
 
 
 # a draft model's head where it differs from its target-style one: drafts never have to be exact (the
-# target verifies every token), and an int4 head is about twice as fast as the int8 one (the 0.5B
-# draft's step 32.7 -> 30.5 ms; GSM8K sd 9.60 -> 9.97 tok/s at unchanged acceptance) for ~1.6% of
-# argmax flips against the float head (measured on the 1.5B's; docs/benchmarks.md)
+# target verifies every token), and an int4 head runs in half the int8 one's time (the 1.5B's head:
+# 7.5 vs 16.1 ms; GSM8K sd 9.60 -> 9.97 tok/s at unchanged acceptance) for ~1.6% of argmax flips
+# against the float head (docs/benchmarks.md; tools/quantised_checks.py kernels, heads)
 DRAFT_HEAD_BACKENDS: dict[str, str] = {"int4": "int4"}
 
 
