@@ -102,6 +102,7 @@ class ReplayRecord:
     control_switches: int | None = None
     control_final: str | None = None
     control_s: float = 0.0  # its scoring time
+    cluster: int | None = None  # the pending cluster an ``unknown`` request joined (``serve --adaptive``)
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -120,7 +121,8 @@ class ReplayRecord:
                 distance=info.get("distance"), strategy=str(info["strategy"]), state=str(info.get("state", "stored")),
                 drafted=int(info["drafted"]), accepted=int(info["accepted"]), draft_rounds=int(info["draft_rounds"]),
                 tokens_per_s=float(info["tokens_per_s"]), ttft_s=float(info["ttft_s"]),
-                latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]), **extra,
+                latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
+                cluster=None if info.get("cluster") is None else int(info["cluster"]), **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CliError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "

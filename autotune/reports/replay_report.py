@@ -8,7 +8,9 @@ drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switc
 changes of the strategy label between consecutive requests of a category, and tuning counts
 requests answered while their route re-tuned. For requests a controller drove (``auto`` on a
 server with request control): the share of them whose controller switched strategy, their final
-strategies, and the controller's cost (its scoring time over their decode time).
+strategies, and the controller's cost (its scoring time over their decode time). Where the
+server collected ``unknown`` requests into pending clusters (``serve --adaptive``), the adjusted
+Rand index of those clusters against the stream's categories.
 """
 from __future__ import annotations
 
@@ -79,6 +81,23 @@ def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str
     return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
 
 
+def clustering(records: Sequence[ReplayRecord]) -> dict[str, Any] | None:
+    """How the server's pending clusters (``serve --adaptive``: the ``unknown`` requests it
+    collects into new routes) match the stream's categories: the adjusted Rand index of cluster
+    ids against categories over the requests that joined one (1: the categories exactly; ~0:
+    chance), or None when no response named a cluster."""
+    from sklearn.metrics import adjusted_rand_score
+
+    joined = {r.index: r for r in sorted(records, key=lambda r: r.index) if r.cluster is not None}
+    if not joined:
+        return None
+    cats = [r.category for r in joined.values()]
+    ids = [r.cluster for r in joined.values()]
+    return {"requests": len(joined), "categories": len(set(cats)), "clusters": len(set(ids)),
+            "ari": float(adjusted_rand_score(cats, ids)),
+            "by_category": {c: sorted({r.cluster for r in joined.values() if r.category == c}) for c in dict.fromkeys(cats)}}
+
+
 def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
               route_retunes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The report: one row per (category, mode) and per mode over the whole stream (category
@@ -93,7 +112,8 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
             stats = group_stats([r for r in of_category if r.mode == mode])
             rows.append({"category": category, "mode": mode, **stats, "differ": differ})
     return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
-            "route_retunes": dict(route_retunes) if route_retunes is not None else None}
+            "route_retunes": dict(route_retunes) if route_retunes is not None else None,
+            "clustering": clustering(records)}
 
 
 def row(report: Mapping[str, Any], category: str, mode: str) -> dict[str, Any]:
@@ -150,6 +170,10 @@ def _caption(report: Mapping[str, Any]) -> str:
     if retunes is not None:
         per_route = ", ".join(f"{route} {n}" for route, n in sorted(retunes.items()) if n) or "none"
         lines.append(f"server re-tunes per route: {per_route}")
+    cl = report.get("clustering")
+    if cl:
+        lines.append(f"pending clusters of unknown requests: adjusted Rand index {cl['ari']:.3f} against the "
+                     f"categories ({cl['requests']} requests, {cl['categories']} categories, {cl['clusters']} clusters)")
     return "\n".join(lines)
 
 

@@ -125,6 +125,9 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
     }
     if job.control is not None:  # routed: what its controller did (prior, final strategy, switches, scoring time)
         out["control"] = job.control
+    cluster = job.adapt[2] if job.adapt is not None else None
+    if cluster is not None:  # ``unknown`` under --adaptive: the pending cluster it joined (a new route in the making)
+        out["cluster"] = cluster
     if token_ids:
         out["token_ids"] = outcome.tokens
     return out

@@ -480,7 +480,8 @@ class DecodeWorker:
             control = None
             if self._controlled(job):
                 # where the route's latest requests mostly ended (else its strategy): the request starts there
-                start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.control))
+                start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.control),
+                                          job.choice.distance)
                 control = RequestController(strategy, dec, self.control_cost(dec), len(job.ids), self.control,
                                             self.corrections, start=start)
             running = Running(job, Member(dec, seq), strategy, control)
@@ -591,7 +592,7 @@ class DecodeWorker:
                 # a request too short to decide says nothing about its route, and ``unknown`` is every
                 # unseen kind at once: what one kind ended on is no prior for the next
                 if r.control.decisions and r.job.choice.route != UNKNOWN:
-                    self.priors.observe(r.job.choice.route, r.control.current)
+                    self.priors.observe(r.job.choice.route, r.control.current, r.job.choice.distance)
                 if self.on_control is not None:
                     self.on_control(r.job)
             if self.adapter is not None:

@@ -263,6 +263,24 @@ def test_a_route_starts_where_most_of_its_latest_requests_ended():
     assert priors.describe()["gsm8k"] == ["plain", "lookup-8", "lookup-8", "lookup-8"]
 
 
+def test_a_moved_prior_applies_only_as_far_from_the_route_as_its_voters():
+    look = Strategy(drafter="prompt-lookup", draft_length=8)
+    options = candidates(PLAIN, width=16, kinds=["draft-model", "prompt-lookup"], lookup_length=8)
+    priors = RoutePriors(keep=4, quorum=3)
+    for d in (0.30, 0.42, 0.35):
+        priors.observe("humaneval", look, distance=d)
+    assert priors.start("humaneval", PLAIN, options, distance=0.40) == look  # as close as its voters
+    assert priors.start("humaneval", PLAIN, options, distance=0.42) == look
+    assert priors.start("humaneval", PLAIN, options, distance=0.61) == PLAIN  # routed near the threshold
+    assert priors.start("humaneval", PLAIN, options) == look  # no distance (an explicit route): the moved prior
+    priors.observe("humaneval", look, distance=0.62)  # a far request that ended there widens the reach
+    assert priors.start("humaneval", PLAIN, options, distance=0.61) == look
+    unknown = RoutePriors(keep=4, quorum=3)
+    for _ in range(3):
+        unknown.observe("gsm8k", look)  # voters without a distance: no reach to compare with
+    assert unknown.start("gsm8k", PLAIN, options, distance=0.9) == look
+
+
 def test_route_priors_are_bounded():
     priors = RoutePriors(max_routes=3)
     for i in range(10):

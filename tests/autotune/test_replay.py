@@ -15,7 +15,8 @@ import autotune.cli.main
 import autotune.cli.replay
 from autotune.errors import CliError
 from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
-from autotune.reports.replay_report import aggregate, category_bands, format_table, identical, replay_plot, row, switches
+from autotune.reports.replay_report import aggregate, category_bands, clustering, format_table, identical, replay_plot, \
+    row, switches
 from studies import Prompt, StreamRequest, write_stream
 from tests.helpers import LiveServer, assert_one_line_error, run
 
@@ -124,6 +125,28 @@ def test_controller_figures_per_category() -> None:
     assert (parsed.control_switches, parsed.control_final, parsed.control_s) == (1, "plain", 0.5)
     del body["autotune"]["control"]
     assert ReplayRecord.from_response(_request(0, "a"), "auto", body).control_switches is None
+
+
+def test_pending_clusters_are_scored_against_the_categories() -> None:
+    """The adjusted Rand index of the clusters the server's responses named against the stream's
+    categories; requests that joined none (routed, or no --adaptive) are left out."""
+    records = [_record(i, c, "auto", cluster=k) for i, (c, k) in enumerate(
+        [("xsum", 0), ("nq", 1), ("xsum", 0), ("nq", 1), ("xsum", 0)])]
+    records.append(_record(9, "humaneval", "auto"))  # routed: no cluster
+    got = clustering(records)
+    assert got is not None and got["ari"] == pytest.approx(1.0) and got["requests"] == 5 and got["clusters"] == 2
+    assert got["by_category"] == {"xsum": [0], "nq": [1]}
+    mixed = [_record(i, c, "auto", cluster=k) for i, (c, k) in enumerate(
+        [("xsum", 0), ("nq", 0), ("xsum", 1), ("nq", 1), ("xsum", 2), ("nq", 2)])]
+    assert clustering(mixed)["ari"] < 0.2  # clusters that ignore the categories
+    assert clustering([_record(0, "a", "auto")]) is None
+    report = aggregate(records, ["auto"])
+    assert report["clustering"]["ari"] == pytest.approx(1.0)
+    assert "adjusted Rand index 1.000" in format_table(report)
+    body = {"usage": {"completion_tokens": 3}, "autotune": {
+        "route": "unknown", "strategy": "plain", "drafted": 0, "accepted": 0, "draft_rounds": 0,
+        "tokens_per_s": 1.0, "ttft_s": 0.1, "latency_s": 1.0, "token_ids": [1, 2, 3], "cluster": 4}}
+    assert ReplayRecord.from_response(_request(0, "a"), "auto", body).cluster == 4
 
 
 def test_identical_check() -> None:

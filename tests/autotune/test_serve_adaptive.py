@@ -201,13 +201,15 @@ def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
         server = build_server(ServeConfig(model=MODEL, storage=url, adaptive=settings), storage, pool=pool)
         with LiveServer(server) as live:
             client = live.client()
-            routes = []
+            routes, clusters = [], {"translate": set(), "recipe": set()}
             for translate, recipe in zip(TRANSLATE[:5], RECIPES[:5]):  # two kinds of unknown traffic, interleaved
-                for text in (translate, recipe):
+                for kind, text in (("translate", translate), ("recipe", recipe)):
                     _, ids, info = chat(client, text, max_tokens=16)
                     assert ids == plain_ids(pool, smollm, text, 16)
                     routes.append((info["route"], info["state"]))
+                    clusters[kind].add(info["cluster"])  # the pending cluster it joined, in the response
             assert routes[:6] == [("unknown", "stored")] * 6
+            assert all(len(ids) == 1 for ids in clusters.values()) and clusters["translate"] != clusters["recipe"]
             assert routes[6:] == [("unknown", "tuning")] * 4  # each kind re-tunes as its own cluster
             created = {e["task"]: e for e in server.worker.adapter.events if e["event"] == "stored"}
             assert len(created) == 2 and all(task.startswith("auto:") for task in created)
