@@ -250,6 +250,7 @@ class Decoder:
             waiting.observe(0, new_tokens, [])
         stats.target_forwards += 1
         self.last_rows = 1 + int(draft.tokens.numel())
+        stats.record_rows(self.last_rows)
         if draft.tokens.numel():
             _record_round(stats, draft, len(path), cut)
         return new_tokens

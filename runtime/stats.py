@@ -21,6 +21,11 @@ class DecodeStats:
     accept_hist: list[int] = field(default_factory=list)  # rounds by number of drafts accepted
     position_drafted: list[int] = field(default_factory=list)  # per draft position i
     position_accepted: list[int] = field(default_factory=list)
+    verify_rows: list[int] = field(default_factory=list)  # rounds by the rows they verified (1 + drafted), unpadded
+
+    def record_rows(self, rows: int) -> None:
+        """One round's target forward verified ``rows`` rows (its token and its drafts; before padding)."""
+        _bump(self.verify_rows, rows)
 
     def record_round(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
         """One verify of ``n_drafted`` nodes (a chain, or a tree of ``depth`` levels)."""
@@ -92,7 +97,7 @@ class DecodeStats:
         for name in ("new_tokens", "wall_s", "prefill_s", "draft_s", "verify_s", "drafted",
                      "accepted", "target_forwards", "draft_rounds"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        for name in ("accept_hist", "position_drafted", "position_accepted"):
+        for name in ("accept_hist", "position_drafted", "position_accepted", "verify_rows"):
             a, b = getattr(self, name), getattr(other, name)
             n = max(len(a), len(b))
             setattr(out, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])

@@ -69,16 +69,17 @@ def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.
     return statistics.median(samples)
 
 
-def forward_seconds(lm: CausalLM, rows: int, context: int, repeats: int = 5) -> float:
+def forward_seconds(lm: CausalLM, rows: int, context: int, repeats: int = 5, every_logit: bool = False) -> float:
     """One forward of ``rows`` tokens after ``context`` cached ones (median of ``repeats``, after a
-    warm-up call); the cache contents are zeros (timing only)."""
+    warm-up call); the cache contents are zeros (timing only). ``every_logit``: the head on every
+    row, as a verify runs it."""
     cache = lm.new_cache(context + rows + 1)
     ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
 
     def step() -> None:
         cache.length = context
         with torch.inference_mode():
-            lm(ids, cache, logits_for=slice(-1, None))
+            lm(ids, cache, logits_for=None if every_logit else slice(-1, None))
 
     return _timed(step, repeats, torch.device(lm.device))
 

@@ -3,9 +3,13 @@ re-priced with the target step timed at each precision this device runs.
 
 A round of the stored strategy costs its measured draft time plus its verify time; at another
 precision the draft is unchanged (its precision is the strategy's) and the verify scales with the
-target's step at the verify width. Plain decoding scales with the one-row step. Acceptance is taken
-as equal across precisions (each verifies the same drafts against a close model): a prediction,
-said so where it is shown.
+target's forwards over the rows the rounds verified (``DecodeStats.verify_rows``: 1 + drafted,
+round by round), each timed as a decoder at that precision runs it: a float32 target packed for
+the verify width runs every verify at that width; the quantised kernels run the round's own rows,
+whose cost rises in blocks (torch's int4 kernel: 4 rows a block), so a row count between two timed
+ones is priced at the next timed one. Plain decoding scales with the one-row step. Acceptance is
+taken as equal across precisions (each verifies the same drafts against a close model): a
+prediction, said so where it is shown.
 """
 from __future__ import annotations
 
@@ -45,16 +49,40 @@ def _runnable(device: str) -> list[str]:
     return out
 
 
-def _step_s(pool: ModelPool, target: LoadedModel, precision: str, rows: int, context: int) -> float:
-    """The target's forward over ``rows`` rows at ``precision``, as a decoder runs it."""
-    from runtime.pipeline import verify_backend
+def timed_rows(rows: int) -> int:
+    """The row count timed to price a verify of ``rows`` rows: 1-4 themselves, then the next
+    multiple of 4 (a quantised verify's cost rises in blocks of rows; between two timed counts the
+    dearer one prices it)."""
+    return rows if rows <= 4 else -(-rows // 4) * 4
 
-    model = pool.get(target.name, precision)
-    lm = pool.served(model)
-    backend = verify_backend(pool.device)
-    if rows > 1 and lm.backend == "dense" and backend != "dense" and lm.dtype == torch.float32:
-        lm = pool.target_for_width(model, backend, rows)
-    return forward_seconds(lm, rows, context)
+
+class _Steps:
+    """The target's forward over r rows at each precision, timed once per (precision, rows), as a
+    decoder at that precision runs it (a float32 target packed for ``width`` pads to it)."""
+
+    def __init__(self, pool: ModelPool, target: LoadedModel, width: int, context: int) -> None:
+        self.pool, self.target, self.width, self.context = pool, target, width, context
+        self._s: dict[tuple[str, int], float] = {}
+
+    def seconds(self, precision: str, rows: int) -> float:
+        from runtime.pipeline import verify_backend
+
+        model = self.pool.get(self.target.name, precision)
+        lm = self.pool.served(model)
+        backend = verify_backend(self.pool.device)
+        if rows > 1 and lm.backend == "dense" and backend != "dense" and lm.dtype == torch.float32:
+            rows = max(self.width, 2)  # packed for the verify width: every verify runs it
+            lm = self.pool.target_for_width(model, backend, rows)
+        else:
+            rows = min(timed_rows(rows), max(self.width, rows))
+        key = (precision, rows)
+        if key not in self._s:
+            self._s[key] = forward_seconds(lm, rows, self.context, repeats=3, every_logit=rows > 1)
+        return self._s[key]
+
+    def verifies(self, precision: str, rows_hist: list[int]) -> float:
+        """Seconds of the verifies of ``rows_hist`` (rounds by rows) at ``precision``."""
+        return sum(n * self.seconds(precision, r) for r, n in enumerate(rows_hist) if n and r >= 1)
 
 
 def estimate(
@@ -62,19 +90,24 @@ def estimate(
     candidates: tuple[str, ...] | None = None,
 ) -> list[PrecisionEstimate]:
     """Predicted plain and stored-strategy speed at each precision (``stats``: the stored strategy's
-    measured decode; ``width``: its verify rows, 1 for plain decoding)."""
+    measured decode, its rounds by rows in ``verify_rows``; ``width``: its verify width, 1 for plain
+    decoding)."""
     names = list(candidates or _runnable(pool.device))
     if target.precision not in names:
         names.insert(0, target.precision)
-    one = {p: _step_s(pool, target, p, 1, context) for p in names}
-    wide = {p: (_step_s(pool, target, p, width, context) if width > 1 else one[p]) for p in names}
+    steps = _Steps(pool, target, width, context)
+    rows_hist = list(stats.verify_rows) if width > 1 and stats.verify_rows else []
+    if width > 1 and not rows_hist:  # rounds not counted by rows: every one priced at the full width
+        rows_hist = [0] * width + [max(stats.target_forwards - 1, 1)]
     cur = target.precision
+    verify_at = {p: steps.verifies(p, rows_hist) for p in names} if rows_hist else {}
     tokens = max(stats.new_tokens - 1, 1)  # the prefill's token is not a round's
     out = []
     for p in names:
-        verify_s = stats.verify_s * wide[p] / wide[cur]
+        verify_s = stats.verify_s * verify_at[p] / verify_at[cur] if verify_at else \
+            stats.verify_s * steps.seconds(p, 1) / steps.seconds(cur, 1)
         chosen = tokens / (stats.draft_s + verify_s) if stats.draft_s + verify_s > 0 else 0.0
-        out.append(PrecisionEstimate(p, 1.0 / one[p], chosen, p == cur))
+        out.append(PrecisionEstimate(p, 1.0 / steps.seconds(p, 1), chosen, p == cur))
     return out
 
 

@@ -45,3 +45,8 @@ def test_verify_rows_follow_padding(pads):
     else:  # 1 + what was drafted, never padding
         assert max(drafted_rounds) <= 9 and sum(r - 1 for r in drafted_rounds) == out.stats.drafted
         assert min(drafted_rounds) < 9  # a round that drafted fewer than 8 ran fewer rows (power)
+    # the stats count each round by the rows it verified before padding (what re-pricing needs)
+    counted = [r for r, n in enumerate(out.stats.verify_rows) for _ in range(n)]
+    assert len(counted) == len(verifies) and sum(counted) - len(counted) == out.stats.drafted
+    if not pads:
+        assert sorted(counted) == sorted(verifies)
