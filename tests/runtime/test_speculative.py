@@ -123,3 +123,18 @@ def test_packed_verify_and_eos_truncation(tiny_qwen):
     for backend in ["dense", "mkl-packed"]:
         spec = spec_decoder(tiny_qwen, draft, 4, verify_backend=backend).generate(PROMPT, cfg)
         assert spec.tokens == want, backend
+
+
+def test_the_draft_models_prompt_is_prefill_not_a_round():
+    """The draft model runs the prompt before the first round (timed as prefill, as the target's
+    prompt is): a round's draft time is its own drafting only. Output stays plain decoding's."""
+    target = tiny_model("llama", 30)
+    dec = spec_decoder(target, noisy_copy(target, 0.1, seed=2), k=3)
+    prompt = PROMPT * 4
+    held = []
+    out = dec.generate(prompt, GenerationConfig(max_new_tokens=24),
+                       before_round=lambda d, tokens, cache, stats: held.append(d.drafter.cache.length))
+    assert out.tokens == Decoder(CausalLM(target)).generate(prompt, GenerationConfig(max_new_tokens=24)).tokens
+    assert out.stats.drafted > 0
+    assert held[0] == len(prompt)  # before the first round: every prompt token but the newest is the draft's
+    assert out.stats.prefill_s > 0
