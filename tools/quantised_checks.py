@@ -7,6 +7,8 @@ lookup's n-grams, a faster draft head":
                                                 # prompt lookup's n-grams and lengths, replayed at timed verify costs
     python tools/quantised_checks.py heads --limit 10   # the output head at int8 / int4 vs the float head
     python tools/quantised_checks.py kernels    # a step's profile; heads by threads; int4 groups; draft fused / head
+    python tools/quantised_checks.py rounds --task gsm8k --offset 2 --limit 4
+                                                # a draft chain's rounds: draft forwards by rows, copy rounds
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -237,9 +239,64 @@ def kernels(args: argparse.Namespace) -> None:
                   f"head {lm.head.kind}: {best_ms(step_of(lm), 15):.1f} ms")
 
 
+def rounds(args: argparse.Namespace) -> None:
+    """A draft chain's rounds as they decode (``--length``, lookup first as GSM8K's study stored
+    it): the draft model's forwards by rows, rounds with and without a checked lookup copy, and the
+    catch-ups over the prompt (before the first round since ``Decoder.draft_prefill``)."""
+    import statistics
+
+    pool = ModelPool()
+    target = pool.get(args.model, args.precision)
+    strategy = Strategy(drafter="draft-model", draft_length=args.length, confidence_threshold=0.0, lookup_first=True)
+    dec = build_decoder(pool, target, strategy, args.draft)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
+    drafter = dec.drafter_of("draft-model")
+    model, calls = drafter.model, []
+    run_model = type(model).__call__
+
+    class Timed(type(model)):  # the draft model, timing each forward by its rows
+        def __call__(self, ids, *a, **kw):
+            start = time.perf_counter()
+            out = run_model(self, ids, *a, **kw)
+            calls.append((int(ids.shape[0]), time.perf_counter() - start))
+            return out
+
+    model.__class__ = Timed
+    per_round, prompt_catch_ups = [], []
+    for j, prompt in enumerate(load_prompts(args.task, None, args.limit, args.offset)):
+        calls.clear()
+        state: dict[str, int] = {}
+
+        def hook(d, tokens, cache, stats, j=j, state=state):
+            if state:
+                per_round.append((j, d.drafter.lookup_rounds - state["lookups"], list(calls)))
+            else:  # before the first round: the prompt's catch-up, if it ran there
+                prompt_catch_ups.extend((j, r, round(s, 3)) for r, s in calls)
+            calls.clear()
+            state["lookups"] = d.drafter.lookup_rounds
+
+        got = dec.generate(encode_prompt(prompt, target.tokenizer), cfg, before_round=hook)
+        print(f"{prompt.id}: decode {got.stats.decode_tokens_per_s:.2f} tok/s, {got.stats.target_forwards - 1} rounds, "
+              f"draft {1e3 * got.stats.draft_s / max(got.stats.target_forwards - 1, 1):.1f} ms/round, "
+              f"prefill {got.stats.prefill_s:.2f} s", flush=True)
+    by_rows: dict[int, list[float]] = {}
+    for j, _, forwards in per_round:
+        if j:  # the first prompt pays the process's first-call costs
+            for r, s in forwards:
+                by_rows.setdefault(r, []).append(s)
+    print("draft forwards in rounds, ms by rows (count, median):",
+          {r: (len(v), round(1e3 * statistics.median(v), 1)) for r, v in sorted(by_rows.items())})
+    for copied in (0, 1):
+        xs = [(len(f), sum(s for _, s in f)) for j, c, f in per_round if j and c == copied]
+        if xs:
+            print(f"rounds {'with' if copied else 'without'} a lookup copy: {len(xs)}, forwards per round "
+                  f"{statistics.mean(x[0] for x in xs):.2f}, draft {1e3 * statistics.mean(x[1] for x in xs):.1f} ms")
+    print("the prompt's catch-up before the first round (prompt, rows, s):", prompt_catch_ups)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels"))
+    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -248,9 +305,11 @@ def main() -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--length", type=int, default=2, help="rounds: the chain's draft length")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels}[args.check](args)
+    {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels,
+     "rounds": rounds}[args.check](args)
     return 0
 
 

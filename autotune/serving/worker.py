@@ -365,7 +365,7 @@ class DecodeWorker:
                 continue
             cost = self.control_cost(self.decoder(strategy))
             with torch.inference_mode():
-                cost.plain_step_s(), cost.verify_s(), cost.draft_forward_s(None)
+                cost.prepare()
 
     def _controlled(self, job: Job) -> bool:
         """Routed requests are controlled; an explicit choice (plain, default, a stored id), a
@@ -557,9 +557,10 @@ class DecodeWorker:
             r.member.decoder.step_cap = k
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
-        """Decode a short dummy prompt with each servable strategy (``serve --compile``: the
-        compiled steps of the first cache-size bucket are built now, while ``/health`` says
-        loading, not inside a request) -> seconds spent."""
+        """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,
+        not inside a request: the prefill's weight copies are built (a quantised model's bf16
+        copies), each drafting model runs once, and under ``serve --compile`` the compiled steps of
+        the first cache-size bucket are built -> seconds spent."""
         started = time.perf_counter()
         prompt = list(range(1, 9))
         for strategy in dict.fromkeys([PLAIN, *strategies]):

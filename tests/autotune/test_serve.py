@@ -57,6 +57,20 @@ def live(pool, smollm, store):
     storage.close()
 
 
+def test_start_up_pays_the_first_call_costs(pool, store):
+    """A quantised server builds its prefill's bf16 weight copies while loading (a dummy decode per
+    routed strategy), not in its first request: on the 1.5B at int4 that request ran 0.11x plain."""
+    from runtime.linear import bf16_prefill
+
+    if not bf16_prefill("int4"):
+        pytest.skip("this CPU has no native bf16 GEMMs: a quantised prefill runs its own kernels")
+    url, _ = store
+    with open_storage(url) as storage:
+        server = build_server(ServeConfig(model=MODEL, storage=url, dtype="int4"), storage, pool=pool)
+        lm = server.worker.decoder(PLAIN).target  # the worker is not started: no request has run
+        assert lm.backend == "int4" and "linears" in lm._prefill
+
+
 def plain_text(pool, smollm, prompt: Prompt, max_tokens: int = MAX_TOKENS) -> tuple[str, list[int]]:
     """What `autotune generate` prints for this prompt (plain greedy decoding), and its token ids."""
     ids = encode_prompt(prompt, smollm.tokenizer)

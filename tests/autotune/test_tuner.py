@@ -164,6 +164,26 @@ def test_measured_cost_model_times_only_what_a_plan_needs(target, draft):
     assert len(timed) == 4 and all(rows == 1 and (p.skip_attn or p.skip_mlp) for rows, p in timed[2:])
 
 
+def test_prepare_times_every_row_count_up_front(target, draft):
+    """``prepare`` (a server's start-up) times all a controller may price: afterwards pricing any
+    verify width runs no forward (inside a request it would count as the request's scoring time)."""
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=6, context=32, repeats=1, padded=False)
+    cost.prepare()
+    timed: list[int] = []
+    real = cost._forward_s
+    cost._forward_s = lambda lm, rows, plan, **kw: timed.append(rows) or real(lm, rows, plan, **kw)
+    for rows in range(1, 7):
+        assert cost.verify_s(rows) > 0
+    cost.plain_step_s(), cost.draft_forward_s(None), cost.catch_up_s(3)
+    assert timed == []
+    lazy = MeasuredCostModel(draft=draft, target=target, verify_width=6, context=32, repeats=1, padded=False)
+    lazy.verify_s(), lazy.plain_step_s()
+    real = lazy._forward_s
+    lazy._forward_s = lambda lm, rows, plan, **kw: timed.append(rows) or real(lm, rows, plan, **kw)
+    lazy.verify_s(3)
+    assert timed == [3]  # power: without prepare a new row count is timed when first priced
+
+
 def test_verify_timing_is_the_faster_of_two(target, draft, monkeypatch):
     """Before any verify round is seen, the verify costs the faster of two timed forwards: a first
     wide forward's one-time costs (or a noisy sample) would price every draft out, and no drafted
