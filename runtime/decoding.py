@@ -183,9 +183,9 @@ class Decoder:
     def draft_prefill(self, stats: DecodeStats) -> None:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its
         catch-up, which that round would otherwise run), timed as prefill. It is the prompt's cost,
-        paid once per request like the target's prefill, not a round's: counted in a round it made
-        the decode rounds of a draft model on GSM8K's long few-shot prompts look ~10% slower than
-        its rounds cost. Runs after the first token is out (streaming's time to first token is the
+        paid once per request like the target's prefill, not a round's: counted in the first round it
+        inflated a draft model's draft time per token (a GSM8K bench of the 0.5B draft chain: 2613
+        ms per 100 tokens before, 2313 after). Runs after the first token is out (streaming's time to first token is the
         target's prefill). Drafters on standby catch up when they are next used."""
         sync = getattr(self.drafter, "sync", None)
         if sync is None or self.draft_length < 1:
