@@ -9,6 +9,9 @@ lookup's n-grams, a faster draft head":
     python tools/quantised_checks.py kernels    # a step's profile; heads by threads; int4 groups; draft fused / head
     python tools/quantised_checks.py rounds --task gsm8k --offset 2 --limit 4
                                                 # a draft chain's rounds: draft forwards by rows, copy rounds
+    python tools/quantised_checks.py lookup-rounds --task humaneval --offset 2 --limit 4 --length 10
+                                                # prompt lookup's rounds against their prices: the gap
+                                                # split into tokens per round and seconds per round
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -294,9 +297,78 @@ def rounds(args: argparse.Namespace) -> None:
     print("the prompt's catch-up before the first round (prompt, rows, s):", prompt_catch_ups)
 
 
+def lookup_rounds(args: argparse.Namespace) -> None:
+    """Prompt lookup (``--length``) as it decodes, against what the study prices on the same text
+    (``study.price_text``: one window over the tokens decoded, the study's cost model timed here
+    at the prompts' mean context). The window replay starts rounds only where a full draft still
+    fits (``objective._starts``), so the text's last ``--length`` tokens are not priced; the
+    decode's rounds are split the same way (those starting before that tail, and the tail's).
+    Also each round's verify time against the timed forward of its row count."""
+    import statistics
+
+    from autotune.tuning.cost_model import MeasuredCostModel
+    from autotune.tuning.scoring import Window
+
+    pool = ModelPool()
+    target = pool.get(args.model, args.precision)
+    strategy = Strategy(drafter="prompt-lookup", draft_length=args.length)
+    dec = build_decoder(pool, target, strategy)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
+    prompts = [encode_prompt(p, target.tokenizer) for p in load_prompts(args.task, None, args.limit, args.offset)]
+    mean_len = sum(len(p) for p in prompts) // max(len(prompts), 1)
+    cost = MeasuredCostModel(draft=dec.target, target=dec.target, verify_width=dec.verify_width,
+                             context=mean_len + args.max_new_tokens // 2, repeats=3, padded=dec.pads)
+    with torch.inference_mode():
+        cost.prepare()
+        dec.generate(prompts[0], GenerationConfig(max_new_tokens=16, eos_token_ids=eos_ids(target)))  # first calls
+    by_rows: dict[int, list[float]] = {}
+    sums = {"pred_s": 0.0, "priced": [0, 0.0], "tail": [0, 0.0]}  # [tokens, seconds] of decoded rounds
+    for ids in prompts:
+        rounds: list[tuple[int, int, float]] = []  # (start position, tokens, seconds) per decoded round
+        marks: dict[str, float] = {}
+
+        def hook(d, tokens, cache, stats, marks=marks, rounds=rounds):
+            spent = stats.draft_s + stats.verify_s
+            if marks:
+                by_rows.setdefault(d.last_rows, []).append(stats.verify_s - marks["v"])
+                rounds.append((int(marks["at"]), len(tokens) - int(marks["at"]), spent - marks["s"]))
+            marks.update(v=stats.verify_s, s=spent, at=len(tokens))
+
+        got = dec.generate(ids, cfg, before_round=hook)
+        st = got.stats
+        if marks:  # the last round
+            total = len(ids) + len(got.tokens)
+            rounds.append((int(marks["at"]), total - int(marks["at"]), st.draft_s + st.verify_s - marks["s"]))
+        new = len(got.tokens) - 1  # the prefill's token is not a round's
+        pred = Window(new, args.length, cost).predict(dec, strategy, ids + got.tokens)
+        if pred is None or not rounds:
+            continue
+        tail_from = len(ids) + 1 + max(1, new - args.length)  # rounds starting here are in the unpriced tail
+        priced = [(n, sec) for at, n, sec in rounds if at < tail_from]
+        tail = [(n, sec) for at, n, sec in rounds if at >= tail_from]
+        for name, part in (("priced", priced), ("tail", tail)):
+            sums[name][0] += sum(n for n, _ in part)
+            sums[name][1] += sum(sec for _, sec in part)
+        sums["pred_s"] += sum(n for n, _ in priced) / pred[0].tokens_per_s
+        tps = new / (st.draft_s + st.verify_s)
+        ptps = sum(n for n, _ in priced) / max(sum(sec for _, sec in priced), 1e-9)
+        print(f"{len(ids)} prompt tokens, {new} decoded in {len(rounds)} rounds: {tps:.2f} tok/s; rounds before the "
+              f"tail {ptps:.2f} tok/s; the tail's {len(tail)} rounds {sum(n for n, _ in tail)} tokens; predicted "
+              f"{pred[0].tokens_per_s:.2f}", flush=True)
+    (pn, ps), (tn, ts) = sums["priced"], sums["tail"]
+    if not pn:
+        print("no rounds decoded")
+        return
+    pred_tps = pn / sums["pred_s"]
+    print(f"predicted / measured: {pred_tps / ((pn + tn) / (ps + ts)):.3f} over every round, {pred_tps / (pn / ps):.3f} "
+          f"over the rounds the replay prices (the tail: {tn} tokens at {tn / ts if ts else 0.0:.2f} tok/s)")
+    print("verify by rows: rounds, measured median ms, priced ms:",
+          {r: (len(v), round(1e3 * statistics.median(v), 1), round(1e3 * cost.verify_s(float(r)), 1))
+           for r, v in sorted(by_rows.items())})
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds"))
+    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds", "lookup-rounds"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -305,11 +377,11 @@ def main() -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=300)
-    ap.add_argument("--length", type=int, default=2, help="rounds: the chain's draft length")
+    ap.add_argument("--length", type=int, default=2, help="rounds, lookup-rounds: the draft length")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels,
-     "rounds": rounds}[args.check](args)
+     "rounds": rounds, "lookup-rounds": lookup_rounds}[args.check](args)
     return 0
 
 
