@@ -10,8 +10,8 @@ lookup's n-grams, a faster draft head":
     python tools/quantised_checks.py rounds --task gsm8k --offset 2 --limit 4
                                                 # a draft chain's rounds: draft forwards by rows, copy rounds
     python tools/quantised_checks.py lookup-rounds --task humaneval --offset 2 --limit 4 --length 10
-                                                # prompt lookup's rounds against their prices: the gap
-                                                # split into tokens per round and seconds per round
+                                                # prompt lookup's rounds against their prices: the
+                                                # rounds the replay prices and the text's unpriced tail
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -300,10 +300,12 @@ def rounds(args: argparse.Namespace) -> None:
 def lookup_rounds(args: argparse.Namespace) -> None:
     """Prompt lookup (``--length``) as it decodes, against what the study prices on the same text
     (``study.price_text``: one window over the tokens decoded, the study's cost model timed here
-    at the prompts' mean context). The window replay starts rounds only where a full draft still
-    fits (``objective._starts``), so the text's last ``--length`` tokens are not priced; the
-    decode's rounds are split the same way (those starting before that tail, and the tail's).
-    Also each round's verify time against the timed forward of its row count."""
+    at the prompts' mean context; before the tuner's correction). The window replay starts
+    rounds only where a full draft still fits (``objective._starts``), so the text's last
+    ``--length`` tokens are not priced (the study's horizon is its space's longest draft, so its
+    tail is at least as long); the decode's rounds are split the same way (those starting before
+    that tail, and the tail's). Also each round's verify time against the timed forward of its
+    row count."""
     import statistics
 
     from autotune.tuning.cost_model import MeasuredCostModel
@@ -365,6 +367,7 @@ def lookup_rounds(args: argparse.Namespace) -> None:
     print("verify by rows: rounds, measured median ms, priced ms:",
           {r: (len(v), round(1e3 * statistics.median(v), 1), round(1e3 * cost.verify_s(float(r)), 1))
            for r, v in sorted(by_rows.items())})
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
