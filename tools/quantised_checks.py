@@ -309,6 +309,7 @@ def lookup_rounds(args: argparse.Namespace) -> None:
     import statistics
 
     from autotune.tuning.cost_model import MeasuredCostModel
+    from autotune.tuning.matchness import lookup_match
     from autotune.tuning.scoring import Window
 
     pool = ModelPool()
@@ -325,7 +326,18 @@ def lookup_rounds(args: argparse.Namespace) -> None:
         dec.generate(prompts[0], GenerationConfig(max_new_tokens=16, eos_token_ids=eos_ids(target)))  # first calls
     by_rows: dict[int, list[float]] = {}
     sums = {"pred_s": 0.0, "priced": [0, 0.0], "tail": [0, 0.0]}  # [tokens, seconds] of decoded rounds
+    proposals: list[tuple[int, int, int]] = []  # (position, length asked, tokens proposed) per decoded round
+    propose = dec.drafter.propose
+
+    def logged(k, *a, **kw):
+        draft = propose(k, *a, **kw)
+        proposals.append((len(dec.drafter.history), k, int(draft.tokens.numel())))
+        return draft
+
+    dec.drafter.propose = logged
+    differ = checked = 0
     for ids in prompts:
+        proposals.clear()
         rounds: list[tuple[int, int, float]] = []  # (start position, tokens, seconds) per decoded round
         marks: dict[str, float] = {}
 
@@ -342,6 +354,13 @@ def lookup_rounds(args: argparse.Namespace) -> None:
             total = len(ids) + len(got.tokens)
             rounds.append((int(marks["at"]), total - int(marks["at"]), st.draft_s + st.verify_s - marks["s"]))
         new = len(got.tokens) - 1  # the prefill's token is not a round's
+        # the replay's proposal at each position a round started, cut to the length the decoder asked
+        match = lookup_match(ids + got.tokens, new, args.length)
+        base = len(ids) + 1
+        for at, k, n in proposals:
+            if 0 <= at - base < len(match.proposed):
+                checked += 1
+                differ += min(match.proposed[at - base], k) != n
         pred = Window(new, args.length, cost).predict(dec, strategy, ids + got.tokens)
         if pred is None or not rounds:
             continue
@@ -364,6 +383,7 @@ def lookup_rounds(args: argparse.Namespace) -> None:
     pred_tps = pn / sums["pred_s"]
     print(f"predicted / measured: {pred_tps / ((pn + tn) / (ps + ts)):.3f} over every round, {pred_tps / (pn / ps):.3f} "
           f"over the rounds the replay prices (the tail: {tn} tokens at {tn / ts if ts else 0.0:.2f} tok/s)")
+    print(f"proposals: the decode's and the replay's differ at {differ} of the {checked} rounds' positions")
     print("verify by rows: rounds, measured median ms, priced ms:",
           {r: (len(v), round(1e3 * statistics.median(v), 1), round(1e3 * cost.verify_s(float(r)), 1))
            for r, v in sorted(by_rows.items())})
