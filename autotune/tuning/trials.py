@@ -34,12 +34,13 @@ class Trials:
 
     def __init__(self, persistent: optuna.Study, space: SearchSpace, ctx: SpaceContext, seed: int) -> None:
         self.persistent, self.space, self.ctx = persistent, space, ctx
-        self._flushed = 0
+        # numbers of the working study's trials already in the persistent one (or copied from it)
+        self._flushed: set[int] = set()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=seed))
         if persistent.trials:  # resumed: the sampler learns from the earlier trials too
             self.study.add_trials([t for t in persistent.trials if t.state.is_finished()])
-            self._flushed = len(self.study.trials)
+            self._flushed = {t.number for t in self.study.get_trials(deepcopy=False)}
         self.random = optuna.samplers.RandomSampler(seed=seed)
         self.bayes = bayesian_sampler(space, seed)
         self._queued: set[Strategy] = set()  # strategies enqueued so far (seeds, neighbours)
@@ -88,13 +89,11 @@ class Trials:
         return len(self.study.get_trials(deepcopy=False)) - 1
 
     def flush(self) -> None:
-        """Copy the trials finished since the last flush into the persistent study."""
-        done = [t for t in self.study.get_trials(deepcopy=False)[self._flushed:]]
-        finished = []
-        for t in done:
-            if not t.state.is_finished():
-                break
-            finished.append(t)
+        """Copy the trials finished since the last flush into the persistent study. An enqueued
+        trial still waiting to be asked does not hold back the finished ones after it (swept
+        points are added finished behind it); it is copied once it finishes."""
+        finished = [t for t in self.study.get_trials(deepcopy=False)
+                    if t.number not in self._flushed and t.state.is_finished()]
         if finished and self.persistent is not self.study:
             self.persistent.add_trials(finished)
-        self._flushed += len(finished)
+        self._flushed.update(t.number for t in finished)

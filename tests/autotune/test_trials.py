@@ -50,3 +50,27 @@ def test_a_resumed_study_does_not_count_as_enqueued() -> None:
     resumed = Trials(first.study, space, CTX, seed=1)
     trial, sampler = resumed.ask(use_bayes=False)
     assert sampler == "random" and not _fixed(resumed, trial.number)
+
+
+def test_flush_copies_finished_trials_behind_a_waiting_one() -> None:
+    """An enqueued trial not yet asked waits in the working study; the swept and told trials
+    after it are copied at the flush all the same, and the waiting one once it finishes (a
+    study whose prompt ended with a neighbour still queued kept only the trials before it)."""
+    space = get_space("auto")
+    persistent = optuna.create_study(direction="maximize")
+    trials = Trials(persistent, space, CTX, seed=0)
+    seeds = [s for s in space.seeds(CTX) if s.speculates]
+    trial, sampler = trials.ask(use_bayes=False)
+    trials.tell(trial, sampler, space.define(trial, CTX), 1.0, 1.0, 0.5)
+    trials.enqueue(seeds[0])  # waits: nothing asks it before the flush
+    for s in seeds[1:3]:
+        trials.tell_swept(s, 2.0, 2.0, 0.5)
+    trials.flush()
+    assert len(persistent.trials) == 3 and all(t.state.is_finished() for t in persistent.trials)
+    trials.flush()  # nothing new: nothing copied twice
+    assert len(persistent.trials) == 3
+    trial, sampler = trials.ask(use_bayes=False)
+    assert sampler == "enqueued"
+    trials.tell(trial, sampler, space.define(trial, CTX), 3.0, 3.0, 0.5)
+    trials.flush()
+    assert len(persistent.trials) == 4 and persistent.best_value == 3.0
