@@ -87,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
         progress = Progress(len(requests) * len(settings.modes))
         records = replay(requests, settings.modes, lambda r, m: client.chat(model, r, m), settings.concurrency,
                          progress)
-        retunes = client.route_retunes()
-    report = aggregate(records, settings.modes, retunes)
+        retunes, tasks = client.route_retunes(), client.stored_tasks()
+    report = aggregate(records, settings.modes, retunes, tasks)
     report["config"] = {"stream": args.stream, "url": settings.url, "model": model, "modes": list(settings.modes),
                         "requests": len(requests), "max_tokens": settings.max_tokens,
                         "concurrency": settings.concurrency, **_stream_options(args)}

@@ -199,6 +199,12 @@ class ReplayClient:
             return None
         return {str(r): int(v.get("retunes") or 0) for r, v in routes.items() if isinstance(v, dict)}
 
+    def stored_tasks(self) -> list[str] | None:
+        """The stored tasks the server routes to, from GET /health; None when it reports none."""
+        health = self._get("/health")
+        tasks = health.get("tasks") if isinstance(health, dict) else None
+        return [str(t) for t in tasks] if isinstance(tasks, list) else None
+
     def chat(self, model: str, request: StreamRequest, mode: str) -> ReplayRecord:
         httpx = _httpx()
         assert request.prompt.messages is not None  # guaranteed by StreamRequest

@@ -81,27 +81,39 @@ def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str
     return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
 
 
-def clustering(records: Sequence[ReplayRecord]) -> dict[str, Any] | None:
+def clustering(records: Sequence[ReplayRecord], stored_tasks: Sequence[str] | None = None) -> dict[str, Any] | None:
     """How the server's pending clusters (``serve --adaptive``: the ``unknown`` requests it
     collects into new routes) match the stream's categories: the adjusted Rand index of cluster
     ids against categories over the requests that joined one (1: the categories exactly; ~0:
-    chance), or None when no response named a cluster."""
-    from sklearn.metrics import adjusted_rand_score
-
-    joined = {r.index: r for r in sorted(records, key=lambda r: r.index) if r.cluster is not None}
+    chance), or None when no response named a cluster. With the server's ``stored_tasks``, also
+    over the **unseen** categories only (no stored task of that name): the traffic new routes are
+    for. A studied category's requests that route to ``unknown`` (MT-Bench's open questions, far
+    from the prompts studied) are each their own kind of text and count in the first figure."""
+    joined = [r for r in sorted(records, key=lambda r: r.index) if r.cluster is not None]
     if not joined:
         return None
-    cats = [r.category for r in joined.values()]
-    ids = [r.cluster for r in joined.values()]
+    out = _rand(joined)
+    if stored_tasks is not None:
+        unseen = [r for r in joined if r.category not in set(stored_tasks)]
+        out["unseen"] = _rand(unseen) if unseen else None
+    return out
+
+
+def _rand(joined: Sequence[ReplayRecord]) -> dict[str, Any]:
+    from sklearn.metrics import adjusted_rand_score
+
+    cats = [r.category for r in joined]
+    ids = [r.cluster for r in joined]
     return {"requests": len(joined), "categories": len(set(cats)), "clusters": len(set(ids)),
             "ari": float(adjusted_rand_score(cats, ids)),
-            "by_category": {c: sorted({r.cluster for r in joined.values() if r.category == c}) for c in dict.fromkeys(cats)}}
+            "by_category": {c: sorted({r.cluster for r in joined if r.category == c}) for c in dict.fromkeys(cats)}}
 
 
 def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
-              route_retunes: Mapping[str, int] | None = None) -> dict[str, Any]:
+              route_retunes: Mapping[str, int] | None = None, stored_tasks: Sequence[str] | None = None) -> dict[str, Any]:
     """The report: one row per (category, mode) and per mode over the whole stream (category
-    :data:`ALL`), the identical-output check, and the server's re-tunes per route when it reported them."""
+    :data:`ALL`), the identical-output check, the server's re-tunes per route when it reported
+    them, and the pending clusters against the categories (``stored_tasks``: see ``clustering``)."""
     same = identical(records, modes)
     bad = set(same["differing"])
     rows = []
@@ -113,7 +125,8 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
             rows.append({"category": category, "mode": mode, **stats, "differ": differ})
     return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
             "route_retunes": dict(route_retunes) if route_retunes is not None else None,
-            "clustering": clustering(records)}
+            "stored_tasks": list(stored_tasks) if stored_tasks is not None else None,
+            "clustering": clustering(records, stored_tasks)}
 
 
 def row(report: Mapping[str, Any], category: str, mode: str) -> dict[str, Any]:
@@ -174,6 +187,10 @@ def _caption(report: Mapping[str, Any]) -> str:
     if cl:
         lines.append(f"pending clusters of unknown requests: adjusted Rand index {cl['ari']:.3f} against the "
                      f"categories ({cl['requests']} requests, {cl['categories']} categories, {cl['clusters']} clusters)")
+        unseen = cl.get("unseen")
+        if unseen:
+            lines.append(f"  on the categories no stored task is named after: {unseen['ari']:.3f} ({unseen['requests']} "
+                         f"requests, {unseen['categories']} categories, {unseen['clusters']} clusters)")
     return "\n".join(lines)
 
 

@@ -114,6 +114,8 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
     worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
+    if worker.adapter is not None:
+        worker.adapter.prepare()  # the re-tunes' cost model too
     # decode a dummy prompt with every routed strategy while /health says loading: first-call costs
     # (the prefill's bf16 weight copies, dequantised from the GGUF file; compiled steps under --compile)
     # are paid now, not by the first requests (on the 1.5B at int4 the first request ran 0.11x plain)

@@ -143,6 +143,15 @@ def test_pending_clusters_are_scored_against_the_categories() -> None:
     report = aggregate(records, ["auto"])
     assert report["clustering"]["ari"] == pytest.approx(1.0)
     assert "adjusted Rand index 1.000" in format_table(report)
+    # a studied category whose requests routed to unknown, each its own cluster: the unseen figure leaves it out
+    studied = records + [_record(10 + i, "mt-bench", "auto", cluster=5 + i) for i in range(3)]
+    report = aggregate(studied, ["auto"], stored_tasks=["mt-bench", "humaneval"])
+    got = report["clustering"]
+    assert got["ari"] < 1.0 and got["categories"] == 3
+    assert got["unseen"]["ari"] == pytest.approx(1.0) and got["unseen"]["requests"] == 5
+    assert "categories no stored task is named after: 1.000" in format_table(report)
+    without = clustering(studied)  # no stored tasks known (a server that does not report them)
+    assert without["ari"] == got["ari"] and "unseen" not in without
     body = {"usage": {"completion_tokens": 3}, "autotune": {
         "route": "unknown", "strategy": "plain", "drafted": 0, "accepted": 0, "draft_rounds": 0,
         "tokens_per_s": 1.0, "ttft_s": 0.1, "latency_s": 1.0, "token_ids": [1, 2, 3], "cluster": 4}}

@@ -259,7 +259,9 @@ def test_load_full_queue_and_disconnects(pool, smollm, store):
         assert 1 <= len(ids) <= 4
         assert _metric(live.url, "autotune:requests_total") == answered + 1  # only "Say hi." ran to its end
         assert _metric(live.url, "autotune:generation_tokens_total") == tokens + len(ids)
-        assert httpx.get(f"{live.url}/health").json() == {"status": "ok", "model": MODEL, "queue_depth": 0, "running": 0}
+        health = httpx.get(f"{live.url}/health").json()
+        assert sorted(health.pop("tasks")) == ["gsm8k", "humaneval"]  # the stored tasks it routes to
+        assert health == {"status": "ok", "model": MODEL, "queue_depth": 0, "running": 0}
 
 
 def test_cli_serve_starts_and_exits_0_on_sigterm(store, tmp_path):

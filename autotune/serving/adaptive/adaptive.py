@@ -32,11 +32,13 @@ plain entry it re-tunes the same way (plain stays the incumbent, so nothing is l
 tuning share), and the result, plain again or a faster strategy, becomes its entry.
 
 Requests routed to ``unknown`` (far from every task) decode with the store's general entry (task
-``prompts``) or, with none stored, the **server's default strategy** (a confidence-stopped draft
-chain when a draft is served) rather than plain decoding: the judge watches ``unknown`` like any
-route, so where the default is slower than plain it falls back and re-tunes, and the result is
-stored as the general entry (later unknown requests decode with it). On the Qwen pair's replay the
-default ran 1.20x plain on MT-Bench questions, which route to ``unknown``.
+``prompts``) or, with none stored, plainly, as without ``--adaptive``; each request's controller
+may still switch to prompt lookup on its own tokens. (They used to start on the server's default
+draft chain, judged and re-tuned from there: at int4 on a 2-core CPU that chain ran 0.64-0.93x
+plain on every category of the ``mixed`` replay but HumanEval, and answers shorter than the
+controller's first window never left it; translation ran 0.79x plain.) A plain ``unknown`` is
+re-checked like any plain route (``recheck_plain_requests``), and its result is stored as the
+general entry (later unknown requests decode with it).
 
 They also collect into **pending clusters** (``PendingClusters``, at most ``max_clusters``; an
 evicted cluster's re-tune is dropped with it): each joins the nearest cluster by the router's own
@@ -137,9 +139,6 @@ class Adapter:
         choice = job.choice
         if choice.route in ADAPTIVE_ROUTES_EXCLUDED:  # served as asked, measured for no route
             return None
-        if choice.route == UNKNOWN and choice.entry is None:  # no general entry yet: the server's default
-            default = self.book.default
-            choice = job.choice = replace(choice, strategy=default, label="default" if default.speculates else "plain")
         health = self._health(choice)
         cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
         retune = (self.retunes.get(f"{UNKNOWN}#{cluster}") if cluster is not None else None) \
@@ -281,9 +280,22 @@ class Adapter:
             return 1.0 / step if step > 0 else None
         return health.plain_tps
 
+    def prepare(self) -> None:
+        """Time the re-tunes' cost model now (while ``/health`` says loading). Timed lazily, its
+        timings fell in the first re-tune's first request: 3.7 s of tuning in a 96-token ASDiv
+        request on the 1.5B at int4 (9.1 tok/s against plain decoding's 14.1)."""
+        import torch
+
+        with torch.inference_mode():
+            self._cost().prepare()
+
     def _cost(self) -> MeasuredCostModel:
+        """The re-tunes' cost model: the worker's controllers' one for the same models (timed at
+        start-up and refreshed by every controlled request), else one of its own."""
         if self.cost is None:
-            self.cost = controller_cost(self._decoder(), repeats=1, warm=False, verify_width=self.worker.verify_width)
+            decoder = self._decoder()
+            self.cost = self.worker.control_cost(decoder) if self.worker.control is not None else \
+                controller_cost(decoder, repeats=1, warm=False, verify_width=self.worker.verify_width)
         return self.cost
 
     def _decoder(self) -> Decoder:

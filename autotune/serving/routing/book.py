@@ -91,6 +91,11 @@ class StrategyBook:
             return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance, general)
         return Choice(UNKNOWN, PLAIN, "plain", decision.distance)
 
+    def tasks(self) -> list[str]:
+        """The stored tasks requests are routed to (``/health``; safe from any thread)."""
+        with self._lock:
+            return [e.task for e in self.entries]
+
     def needs_lookup(self, override: str) -> bool:
         """Whether choosing for ``override`` reads the store (an explicit id not routed to)."""
         if override in ("auto", "plain", "default"):
