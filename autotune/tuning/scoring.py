@@ -37,6 +37,9 @@ class Window:
         # ``stale`` once another prompt began (only plans already scored there can be scored)
         self.tokens: list[int] = []
         self.stale = True
+        # the tuning allowance, where a drafting model's catch-up must fit it before it runs
+        # (``TunerSettings.defer_catch_up``): seconds -> whether the allowance covers them
+        self.afford: Callable[[float], bool] | None = None
 
     def is_stale(self, tokens: list[int]) -> bool:
         """Whether ``tokens`` is the latest window scored and it belongs to an earlier prompt
@@ -83,6 +86,10 @@ def _score_model(win: Window, decoder: Decoder, strategy: Strategy, tokens: list
     match = win.cache.get(key)
     if match is None and win.is_stale(tokens):  # an earlier prompt's: the cache holds another sequence
         return None
+    if match is None and win.afford is not None:  # its catch-up waits until the allowance covers it
+        lag = len(tokens) - 1 - drafter.cache.length
+        if lag > 0 and not win.afford(win.cost.catch_up_s(lag)):
+            return None
     if match is None:
         if identity:  # on standby: its catch-up forward scores the window too
             logits = drafter.sync_scoring(tokens, window)

@@ -556,6 +556,33 @@ def test_a_swept_winner_races_and_is_told_as_a_trial(target, draft):
     assert tuner.state.measured_trials >= 1
 
 
+def test_a_live_tuner_defers_a_catch_up_its_allowance_does_not_cover(target, draft):
+    """``defer_catch_up`` (serve's re-tunes): a draft on standby scores a window only once the
+    tuning allowance covers its catch-up over the text it has not seen. Priced at 1 s a row
+    against 5% of decode time, it never fits: no draft-model point is scored, the draft never
+    runs, lookup is still tuned. Power check: without it the same tuner scores the draft."""
+    drafted_kinds = {}
+    for defer in (True, False):
+        ctx = SpaceContext(n_layers=N_LAYERS, draft_layers=N_LAYERS, max_draft_length=6)
+        clock = SimClock(verify=1.0, draft=0.05)
+        settings = TunerSettings(window=8, beta=4, max_share=0.05, confirm_tokens=8, max_trials=500, patience=500,
+                                 min_trials=500, defer_catch_up=defer)
+        cost = FixedCostModel(draft_full_s=0.05, verify_const_s=1.0, catch_up_row_s=1.0)
+        tuner = OnlineTuner(get_space("auto"), ctx, optuna.create_study(direction="maximize"), cost, settings,
+                            clock=clock)
+        decoder = joint_decoder(target, draft)
+        tuner.start_prompt(len(PROMPT))
+        out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=64), before_round=clock.hook(tuner))
+        tuner.end_prompt(PROMPT + out.tokens, out.stats)
+        assert out.tokens == Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=64)).tokens
+        scored = [t for t in tuner.trials.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        drafted_kinds[defer] = {t.user_attrs["drafter"] for t in scored}
+        caught_up = decoder.drafter_of("draft-model").cache.length
+        assert (caught_up == 0) == defer, (defer, caught_up)
+    assert "prompt-lookup" in drafted_kinds[True] and "draft-model" not in drafted_kinds[True]
+    assert "draft-model" in drafted_kinds[False]
+
+
 def test_lookup_replay_matches_a_brute_force_count():
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3, 5, 1, 2, 3, 4, 9, 1, 2]
     window, k = 10, 4

@@ -15,7 +15,10 @@ speculates is judged (``judge``):
 
 Either way the route **re-tunes** (``retune.Retune``): its next ``retune_requests`` requests decode
 with the online tuner (``autotune.tuning.tuner``, the ``auto`` space, tuning at most
-``retune_share`` of their decode time; the stored strategy is the first candidate). The tuner's
+``retune_share`` of their decode time; the stored strategy is the first candidate). A draft
+model is scored only once that share covers its catch-up over the request's text
+(``TunerSettings.defer_catch_up``): on GSM8K's 760-token prompts the catch-up alone took 2.6 s
+of a 14 s request. The tuner's
 incumbent is plain decoding until a candidate measured faster on this route's tokens, so the
 fallback is immediate and greedy output stays plain decoding's throughout. At the end the tuner's
 pick is checked against plain decoding's measured speed on the same requests, and the faster one
@@ -41,9 +44,10 @@ re-checked like any plain route (``recheck_plain_requests``), and its result is 
 general entry (later unknown requests decode with it).
 
 They also collect into **pending clusters** (``PendingClusters``, at most ``max_clusters``; an
-evicted cluster's re-tune is dropped with it): each joins the nearest cluster by the router's own
-TF-IDF centroid distance and threshold, or opens a new one, so mixed unknown traffic becomes
-several routes, not one. After ``new_route_requests`` requests a cluster re-tunes like a route and
+evicted cluster's re-tune is dropped with it): each joins the nearest cluster by task form and
+content (``clusters``: character n-grams of its instruction part beside the router's word TF-IDF)
+under the router's threshold, or opens a new one, so mixed unknown traffic becomes several
+routes, not one. After ``new_route_requests`` requests a cluster re-tunes like a route and
 is stored as a new task named from its top TF-IDF words (``auto:word-word``; without
 ``store_prompts`` a hash of them, ``auto:topic-3f9a01c2``), and the router refits: later requests of
 that kind route there directly. At most ``max_routes`` such routes exist per model, draft and
@@ -315,8 +319,9 @@ class Adapter:
         study = optuna.create_study(direction="maximize")
         stored = health.strategy if cluster is None else PLAIN
         initial = stored if stored.speculates and self._in_space(stored) else PLAIN
-        tuner = OnlineTuner(self.space, self.ctx, study, self._cost(), TunerSettings(max_share=s.retune_share),
-                            initial)
+        # on live traffic a draft's catch-up over a request's prompt waits until the share covers it
+        tuner = OnlineTuner(self.space, self.ctx, study, self._cost(),
+                            TunerSettings(max_share=s.retune_share, defer_catch_up=True), initial)
         if cluster is not None:
             known = [p for e in self.book.entries for p in e.prompts]
             texts = self.pending.texts(cluster)
