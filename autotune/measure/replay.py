@@ -103,6 +103,7 @@ class ReplayRecord:
     control_final: str | None = None
     control_s: float = 0.0  # its scoring time
     cluster: int | None = None  # the pending cluster an ``unknown`` request joined (``serve --adaptive``)
+    tuning_s: float | None = None  # a re-tune's request: the tuning time it carried (``serve --adaptive``)
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -110,7 +111,7 @@ class ReplayRecord:
         if not isinstance(info, dict) or "token_ids" not in info:
             raise CliError(f"request {request.index} ({mode}): the response has no autotune object with token ids; "
                            "is the server `autotune serve`?")
-        control = info.get("control")
+        control, tuning = info.get("control"), info.get("tuning")
         try:
             extra = {} if not isinstance(control, dict) else dict(
                 control_switches=int(control["switches"]), control_final=str(control["final"]),
@@ -122,7 +123,8 @@ class ReplayRecord:
                 drafted=int(info["drafted"]), accepted=int(info["accepted"]), draft_rounds=int(info["draft_rounds"]),
                 tokens_per_s=float(info["tokens_per_s"]), ttft_s=float(info["ttft_s"]),
                 latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
-                cluster=None if info.get("cluster") is None else int(info["cluster"]), **extra,
+                cluster=None if info.get("cluster") is None else int(info["cluster"]),
+                tuning_s=float(tuning["tuning_s"]) if isinstance(tuning, dict) else None, **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CliError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "

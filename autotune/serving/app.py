@@ -125,6 +125,8 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
     }
     if job.control is not None:  # routed: what its controller did (prior, final strategy, switches, scoring time)
         out["control"] = job.control
+    if job.tuning is not None:  # a re-tune's request: its tuning time, trials and points swept
+        out["tuning"] = job.tuning
     cluster = job.adapt[2] if job.adapt is not None else None
     if cluster is not None:  # ``unknown`` under --adaptive: the pending cluster it joined (a new route in the making)
         out["cluster"] = cluster

@@ -104,6 +104,7 @@ class Job:
     checked: threading.Event | None = None  # set once that result was checked and handed to the writer
     adapt: Any = None  # the adaptive layer's routing of this request (``Adapter.begin``)
     control: dict[str, Any] | None = None  # its controller's summary, once decoded (``RequestController.summary``)
+    tuning: dict[str, Any] | None = None  # a re-tune's request: the tuning it carried (``Adapter.generate_retune``)
 
 
 @dataclass

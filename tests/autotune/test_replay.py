@@ -125,6 +125,8 @@ def test_controller_figures_per_category() -> None:
     assert (parsed.control_switches, parsed.control_final, parsed.control_s) == (1, "plain", 0.5)
     del body["autotune"]["control"]
     assert ReplayRecord.from_response(_request(0, "a"), "auto", body).control_switches is None
+    body["autotune"]["tuning"] = {"tuning_s": 0.25, "trials": 3, "swept": 10, "request": 1}  # a re-tune's request
+    assert ReplayRecord.from_response(_request(0, "a"), "auto", body).tuning_s == 0.25
 
 
 def test_pending_clusters_are_scored_against_the_categories() -> None:

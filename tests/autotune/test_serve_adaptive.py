@@ -264,6 +264,10 @@ def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path)
                 assert ids == plain_ids(pool, smollm, text, tokens)
                 assert info["route"] == "unknown"
                 states.append(info["state"])
+                # a re-tune's request reports the tuning it carried; a stored one none
+                assert ("tuning" in info) == (info["state"] == "tuning")
+                if info["state"] == "tuning":
+                    assert info["tuning"]["tuning_s"] >= 0 and info["tuning"]["request"] >= 1
                 if server.worker.adapter.events and server.worker.adapter.events[-1]["event"] in ("stored", "kept"):
                     break
             assert "tuning" in states, states

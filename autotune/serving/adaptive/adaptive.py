@@ -156,8 +156,12 @@ class Adapter:
 
     def generate_retune(self, job: Any, retune: Retune, after_round: Callable) -> GenerationResult:
         """Decode ``job`` with its route's re-tune (the tuner drives its rounds)."""
+        state = retune.tuner.state
+        before = (state.tuning_s, state.trials, state.swept)
         try:
             result = retune.generate(job.ids, job.cfg, self._storable(job.text), after_round)
+            job.tuning = {"tuning_s": state.tuning_s - before[0], "trials": state.trials - before[1],
+                          "swept": state.swept - before[2], "request": retune.requests}
         except Exception:  # this request fails; its route goes on with its stored strategy
             self._drop(retune, "failed")
             self._publish()
