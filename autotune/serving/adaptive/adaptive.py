@@ -18,9 +18,8 @@ with the online tuner (``autotune.tuning.tuner``, the ``auto`` space, tuning at 
 ``retune_share`` of their decode time; the stored strategy is the first candidate). A draft
 model is scored only once that share covers its catch-up over the request's text
 (``TunerSettings.defer_catch_up``): on GSM8K's 760-token prompts the catch-up alone took 2.6 s
-of a 14 s request. The tuner's
-incumbent is plain decoding until a candidate measured faster on this route's tokens, so the
-fallback is immediate and greedy output stays plain decoding's throughout. At the end the tuner's
+of a 14 s request. The tuner's incumbent is plain decoding until a candidate measured faster on
+this route's tokens, so the fallback is immediate and greedy output stays plain decoding's throughout. At the end the tuner's
 pick is checked against plain decoding's measured speed on the same requests, and the faster one
 is the result. It is checked on the first ``check_requests`` requests it tuned on (greedily,
 ``check_tokens`` each, decoded after the last request's answer, on the decode thread): stored only
