@@ -12,6 +12,8 @@ lookup's n-grams, a faster draft head":
     python tools/quantised_checks.py lookup-rounds --task humaneval --offset 2 --limit 4 --length 10
                                                 # prompt lookup's rounds against their prices: the
                                                 # rounds the replay prices and the text's unpriced tail
+    python tools/quantised_checks.py retune --storage must.db --route gsm8k --task gsm8k --offset 30 --limit 3
+                                                # a forced serve --adaptive re-tune against plain decoding
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -310,6 +312,7 @@ def lookup_rounds(args: argparse.Namespace) -> None:
 
     from autotune.tuning.cost_model import MeasuredCostModel
     from autotune.tuning.matchness import lookup_match
+    from autotune.tuning.objective import _starts
     from autotune.tuning.scoring import Window
 
     pool = ModelPool()
@@ -364,7 +367,7 @@ def lookup_rounds(args: argparse.Namespace) -> None:
         pred = Window(new, args.length, cost).predict(dec, strategy, ids + got.tokens)
         if pred is None or not rounds:
             continue
-        tail_from = len(ids) + 1 + max(1, new - args.length)  # rounds starting here are in the unpriced tail
+        tail_from = base + len(_starts(new, args.length, None))  # rounds starting here are in the unpriced tail
         priced = [(n, sec) for at, n, sec in rounds if at < tail_from]
         tail = [(n, sec) for at, n, sec in rounds if at >= tail_from]
         for name, part in (("priced", priced), ("tail", tail)):
@@ -389,9 +392,60 @@ def lookup_rounds(args: argparse.Namespace) -> None:
            for r, v in sorted(by_rows.items())})
 
 
+def retune(args: argparse.Namespace) -> None:
+    """A forced re-tune of ``serve --adaptive`` (``--route``: a stored task, or ``unknown``) on the
+    task's prompts, against plain decoding: the server built as ``serve`` builds it on a copy of
+    ``--storage`` (a SQLite file), then per prompt the worker's plain decoder, the re-tune's own
+    decoder decoding plainly (no tuner), and the re-tune's request (its tuner between rounds),
+    with the tuning time and trials each request carried."""
+    import shutil
+    import tempfile
+
+    from autotune.serving.adaptive.health import RouteHealth
+    from autotune.serving.adaptive.settings import AdaptSettings
+    from autotune.serving.server import ServeConfig, build_server
+    from autotune.store.storage import open_storage
+    from studies import Prompt, routing_text
+
+    if not args.storage or not Path(args.storage).is_file():
+        raise SystemExit(f"retune needs --storage FILE, a SQLite store of studies (got {args.storage!r})")
+    copy = Path(tempfile.mkdtemp()) / "store.db"
+    shutil.copy(args.storage, copy)
+    url = f"sqlite:///{copy}"
+    with open_storage(url) as storage:
+        server = build_server(ServeConfig(model=args.model, draft=args.draft, dtype=args.precision, storage=url,
+                                          adaptive=AdaptSettings(), max_batch=1), storage)
+        worker, adapter = server.worker, server.worker.adapter
+        entry = next((e for e in server.book.entries if e.task == args.route), None)
+        strategy = entry.strategy if entry is not None else PLAIN
+        health = adapter.health[args.route] = RouteHealth(args.route, strategy, "forced", stored_acceptance=None)
+        adapter._start(health, "forced by tools/quantised_checks.py retune")
+        job = adapter.retunes[args.route]
+        cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(worker.target))
+        plain, own = worker.decoder(PLAIN), adapter._decoder()
+        print(f"re-tune of {args.route} (stored: {strategy.to_json()})")
+        for p in load_prompts(args.task, None, args.limit, args.offset):
+            ids = encode_prompt(Prompt(id=p.id, messages=(("user", routing_text(p)),)), worker.target.tokenizer)
+            times = {}
+            for name, run in (("plain", lambda: plain.generate(ids, cfg)), ("own decoder", lambda: own.generate(ids, cfg))):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    run()
+                times[name] = time.perf_counter() - t0
+            state = job.tuner.state
+            before = (state.tuning_s, state.trials)
+            t0 = time.perf_counter()
+            got = job.generate(ids, cfg, "", None)
+            times["re-tune"] = time.perf_counter() - t0
+            print(f"{p.id}: {len(ids)} prompt tokens; s: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items())
+                  + f"; re-tune / plain {times['plain'] / times['re-tune']:.2f}x, tuning {state.tuning_s - before[0]:.2f} s, "
+                  f"trials {state.trials - before[1]}, drafted {got.stats.drafted}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds", "lookup-rounds"))
+    ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds", "lookup-rounds",
+                                      "retune"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -401,10 +455,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--length", type=int, default=2, help="rounds, lookup-rounds: the draft length")
+    ap.add_argument("--storage", help="retune: a SQLite store file of studies (copied, never written)")
+    ap.add_argument("--route", default="unknown", help="retune: the route re-tuned (a stored task, or unknown)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels,
-     "rounds": rounds, "lookup-rounds": lookup_rounds}[args.check](args)
+     "rounds": rounds, "lookup-rounds": lookup_rounds, "retune": retune}[args.check](args)
     return 0
 
 

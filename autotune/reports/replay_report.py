@@ -94,7 +94,8 @@ def clustering(records: Sequence[ReplayRecord], stored_tasks: Sequence[str] | No
         return None
     out = _rand(joined)
     if stored_tasks is not None:
-        unseen = [r for r in joined if r.category not in set(stored_tasks)]
+        studied = set(stored_tasks)
+        unseen = [r for r in joined if r.category not in studied]
         out["unseen"] = _rand(unseen) if unseen else None
     return out
 
