@@ -68,7 +68,7 @@ def get_precision(name: str, device: str | torch.device, compiled: bool = False,
     p = PRECISIONS[name]
     if p.devices is not None and kind not in p.devices:
         raise RuntimeUserError(
-            f"{what} {name} has no kernel on '{kind}' in this build (runs on {', '.join(p.devices)}); "
+            f"{what} {name} has no backend on '{kind}' here (it runs torch's {', '.join(p.devices)} kernels); "
             f"use {what} bfloat16 or auto on {kind}"
         )
     if compiled and p.backend != "dense":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -320,8 +320,8 @@ def run_bench(
     warm = GenerationConfig(max_new_tokens=min(warmup_tokens, cfg.max_new_tokens), eos_token_ids=cfg.eos_token_ids)
     warm_prompts = [prompts[0]]
     if ctx.pool.compile:  # compile every shape a method needs here: a whole decode per cache size bucket
-        buckets = {bucketed(len(p) + cfg.max_new_tokens + ctx.verify_width + 2): p for p in reversed(prompts)}
-        warm_prompts, warm = list(buckets.values()), cfg
+        widths = (1, ctx.verify_width or shared_verify_width(ctx, specs) or 1)
+        warm_prompts, warm = compile_prompts(prompts, cfg.max_new_tokens, widths), cfg
     compile_s = {}
     for name, runner in runners.items():
         started = time.perf_counter()
@@ -395,6 +395,17 @@ def _add_peer_notes(
         note = peers.describe(spec.name, ctx.target.name, ctx.draft_name)
         note["prompt_ids_match"] = all(info.get("prompt_ids_match", False) for info in totals[spec.label].infos)
         report["methods"][spec.label].update(peer=note, identical_to_baseline=None)
+
+
+def compile_prompts(prompts: list[list[int]], max_new_tokens: int, widths: Sequence[int]) -> list[list[int]]:
+    """One prompt per cache-size bucket that a compiled decode of these prompts meets: a decoder's
+    cache holds the prompt, the token budget and its verify width (1 for plain decoding), and each
+    bucket is a graph set of its own (``runtime.compiled.bucketed``)."""
+    chosen: dict[tuple[int, ...], None] = {}
+    for w in widths:  # every bucket of every width, each prompt warmed once
+        buckets = {bucketed(len(p) + max_new_tokens + w + 2): p for p in reversed(prompts)}
+        chosen.update(dict.fromkeys(tuple(p) for p in buckets.values()))
+    return [list(p) for p in chosen]
 
 
 SHARED_WIDTH = -1  # BenchContext.verify_width: the widest speculative method's width for all of them

@@ -47,3 +47,17 @@ def test_bench_at_int4_checks_identity_against_our_plain_decoding(tmp_path, caps
         assert methods[name]["identical_to_baseline"] is True and methods[name]["agreement"] == 1.0, name
     assert methods["sd"]["acceptance_rate"] is not None
     assert "bench at int4" in capsys.readouterr().out
+
+
+def test_compiled_bench_warms_every_cache_bucket_without_a_shared_width():
+    """``bench --compile`` warms one whole decode per cache-size bucket its methods meet; without
+    ``--shared-width`` the widths are plain decoding's (1) and the widest method's. It used to add
+    ``None`` (no shared width) to an int: every ``bench --compile`` without the flag failed."""
+    from autotune.measure.bench import compile_prompts
+
+    short, long_ = [1] * 100, [2] * 140  # 100 + 128 + 1 + 2 fits 256; 140 + 128 + 1 + 2 does not
+    assert compile_prompts([short, long_], 128, (1,)) == [long_, short]
+    # a width of 30 moves the short prompt into the second bucket: plain decoding still needs both
+    assert compile_prompts([short, long_], 128, (1, 30)) == [long_, short]
+    assert compile_prompts([short], 128, (1, 30)) == [short]
+    assert compile_prompts([long_, long_], 128, (1, 11)) == [long_]

@@ -21,14 +21,14 @@ LONG_PROMPT = "word " * 9000  # > SmolLM2's 8192-token context
          ["draft_length"]),
         (["generate"], ["--model"]),
         (["generate", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "int8",
-          "--device", "cuda", "--prompt", "x"], ["--draft-precision int8 has no kernel on 'cuda'", "bfloat16"]),
+          "--device", "cuda", "--prompt", "x"], ["--draft-precision int8 has no backend on 'cuda'", "bfloat16"]),
         (["generate", "--model", "smollm2-135m", "--precision", "int4", "--device", "cuda", "--prompt", "x"],
-         ["--precision int4 has no kernel on 'cuda'", "bfloat16"]),
+         ["--precision int4 has no backend on 'cuda'", "bfloat16"]),
         (["generate", "--model", "smollm2-135m", "--precision", "w8a8", "--compile", "--prompt", "x"],
          ["--precision w8a8 cannot be compiled", "float32"]),
         (["generate", "--model", "smollm2-135m", "--dtype", "int3", "--prompt", "x"], ["unknown precision 'int3'"]),
         (["bench", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--draft-precision", "int8",
-          "--device", "cuda", "--task", "humaneval", "--methods", "vanilla,sd"], ["int8 has no kernel on 'cuda'"]),
+          "--device", "cuda", "--task", "humaneval", "--methods", "vanilla,sd"], ["int8 has no backend on 'cuda'"]),
     ],
 )
 def test_fast_failures(args, needles):

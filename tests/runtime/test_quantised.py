@@ -69,7 +69,7 @@ def test_int4_runs_int8_where_the_kernel_cannot_hold_the_shape():
 
 
 def test_precisions_the_device_cannot_run_are_one_line_errors():
-    with pytest.raises(RuntimeUserError, match="no kernel on 'cuda'"):
+    with pytest.raises(RuntimeUserError, match="no backend on 'cuda'"):
         get_precision("int4", "cuda")
     with pytest.raises(RuntimeUserError, match="cannot be compiled"):
         get_precision("w8a8", "cpu", compiled=True)
