@@ -126,7 +126,10 @@ def generate_batch(target: CausalLM, requests: list[BatchRequest]) -> list[Gener
         while waiting and requests[waiting[0]].joins_at <= step:
             i = waiting.pop(0)
             r = requests[i]
-            running.append((i, Member(r.decoder, r.decoder.start(r.prompt, r.config))))
+            seq = r.decoder.start(r.prompt, r.config)
+            if not seq.finished:  # the drafting model's catch-up over the prompt: prefill, as in generate
+                r.decoder.draft_prefill(seq.stats)
+            running.append((i, Member(r.decoder, seq)))
         live = [(i, m) for i, m in running if not m.seq.finished]
         for i, m in running:
             if m.seq.finished:

@@ -160,3 +160,29 @@ def test_batched_rows_run_in_packed_calls_or_one_dense_gemm():
     ways = {2: "dense", 8: "packed", 16: "dense"}
     assert [row_way(ways, r) for r in (2, 3, 8, 9, 16, 40)] == ["dense", "packed", "packed", "dense", "dense", "dense"]
     assert row_way({}, 5) == "packed"
+
+
+def test_a_draft_models_prompt_catch_up_is_prefill_in_a_batch_too():
+    """A joining sequence's draft model catches up on the prompt when it joins, timed as its
+    prefill (as ``Decoder.generate`` does), never inside its first round: counted there, it made a
+    GSM8K request's controller measure its draft chain slower than plain over its first window and
+    stop it for the rest of the request (the server's decode path runs these same pieces)."""
+    dec = _decoders()["chain"]()
+    drafter = dec.drafter
+    at_first_round: list[int] = []
+    real_propose = drafter.propose_steps
+
+    def propose_steps(*args, **kwargs):
+        if not at_first_round:
+            at_first_round.append(len(drafter.pending))
+        return real_propose(*args, **kwargs)
+
+    drafter.propose_steps = propose_steps
+    (result,) = generate_batch(dec.target, [BatchRequest(dec, PROMPTS[0], GenerationConfig(max_new_tokens=8))])
+    assert result.stats.drafted > 0
+    assert at_first_round == [1]  # the prompt was caught up before the first round: only the newest token waits
+    alone = _decoders()["chain"]()
+    alone.drafter.propose_steps = lambda *a, **k: (at_first_round.append(len(alone.drafter.pending)),
+                                                   ModelDrafter.propose_steps(alone.drafter, *a, **k))[1]
+    alone.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8))
+    assert at_first_round[1] == 1  # what generate does, which the batch now matches
