@@ -171,7 +171,7 @@ class Decoder:
         self.check_fits(len(prompt), config)
         seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
         seq.gen = decode_generator(self.target.device, config.seed)
-        seq.cache = self.target.new_cache(seq.capacity)
+        seq.cache = self.target.new_cache(seq.capacity, reuse=True)
         with torch.inference_mode():
             seq.out.append(self.prefill(prompt, seq.cache, config.sampling, seq.gen))
             seq.stats.prefill_s = time.perf_counter() - seq.started

@@ -102,7 +102,7 @@ class ModelDrafter:
         self.shape = shape
         self.plan = None if plan is None or plan.is_identity else plan
         self.calibrate = calibrate and self.plan is not None
-        self.cache = model.new_cache(1)
+        self.cache = model.new_cache(1, reuse=True)
         self.pending: list[int] = []
         self.round = _Round()
         self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
@@ -173,7 +173,7 @@ class ModelDrafter:
         if keep and self.cache.capacity >= need:
             self.cache.rollback(keep)
         else:
-            old, self.cache = self.cache, self.model.new_cache(need)
+            old, self.cache = self.cache, self.model.new_cache(need, reuse=True)
             if keep:
                 self.cache.all_keys[:, :, :keep] = old.all_keys[:, :, :keep]
                 self.cache.all_values[:, :, :keep] = old.all_values[:, :, :keep]

@@ -211,33 +211,41 @@ class CausalLM:
         backend = self.head_backend
         return make_linear(backend, w, b, self.width, source if backend == self.backend else None)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, reuse: bool = False) -> KVCache:
+        """An empty cache of at least ``capacity`` slots. ``reuse``: it is the cache of a sequence
+        (a decoder's, or its drafter's), which compiled CUDA steps keep per capacity (see
+        ``_static_cache``); a timing or scoring forward asks without it and never gets a live
+        sequence's cache."""
         if self.is_compiled:  # one cache shape (hence one graph set) for many prompts
             capacity = bucketed(capacity)
         elif self.invariant:  # room for every row's whole key block (runtime.attention.key_blocks)
             capacity = round_keys(capacity)
         self.rope.ensure(capacity + 1, self.device)
         if self.is_compiled and self.device.type == "cuda":
-            return self._static_cache(capacity)
+            return self._static_cache(capacity, reuse)
         d = self.dims
         return KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)
 
-    def _static_cache(self, capacity: int) -> KVCache:
-        """The cache of ``capacity`` slots that this wrapper's compiled CUDA steps write, emptied.
+    def _static_cache(self, capacity: int, reuse: bool) -> KVCache:
+        """A cache that compiled CUDA steps write, its tensors marked static.
 
         CUDA graphs replay fixed addresses, and a step's ``index_copy_`` into a cache passed as an
         ordinary input made inductor skip CUDA graphs for every step ("mutated inputs"; measured on
-        an H200: compiled steps at 13.2 ms where eager ones took 31.5). So the cache's tensors are
-        marked static (``mark_static_address``, unguarded: a new address re-records the graph,
-        never recompiles it) and kept, one per capacity bucket, for the wrapper's next sequence:
-        a wrapper decodes one sequence at a time (each decoder has its own)."""
-        cache = self._static_caches.get(capacity)
+        an H200: compiled steps at 13.2 ms where eager ones took 31.5). Marked static
+        (``mark_static_address``, unguarded: a new address re-records the graph, never recompiles
+        it), the steps run as graphs. A sequence's cache (``reuse``) is kept, one per capacity
+        bucket, and handed out again, emptied, for the wrapper's next sequence, so its graphs
+        replay without re-recording: a wrapper decodes one sequence at a time (each decoder has
+        its own). Any other cache is a new one (a cost model timing a forward mid-decode must not
+        empty the live sequence's)."""
+        cache = self._static_caches.get(capacity) if reuse else None
         if cache is None:
             d = self.dims
             cache = KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)
             torch._dynamo.mark_static_address(cache.all_keys, guard=False)
             torch._dynamo.mark_static_address(cache.all_values, guard=False)
-            self._static_caches[capacity] = cache
+            if reuse:
+                self._static_caches[capacity] = cache
         cache.rollback(0)
         return cache
 

@@ -111,16 +111,21 @@ def test_compile_refuses_opaque_linear_backends(weights):
 
 def test_compiled_cuda_steps_reuse_one_static_cache_per_capacity(weights):
     """Compiled CUDA steps write a cache their CUDA graphs hold by address: ``new_cache`` hands a
-    compiled CUDA wrapper the same cache again per capacity, emptied, its tensors marked static
-    (unguarded, so a new address re-records rather than recompiles). A cache allocated per
-    request made inductor skip CUDA graphs for every step on an H200 ("mutated inputs")."""
+    compiled CUDA wrapper's sequences the same cache again per capacity, emptied, its tensors
+    marked static (unguarded, so a new address re-records rather than recompiles); any other
+    caller (a cost model timing a forward mid-decode) gets a new static cache, never the live
+    sequence's. A cache allocated per request made inductor skip CUDA graphs for every step on an
+    H200 ("mutated inputs")."""
     lm = CausalLM(weights[0])
-    first = lm._static_cache(256)
+    first = lm._static_cache(256, reuse=True)
     first.advance(5)
-    again = lm._static_cache(256)
+    again = lm._static_cache(256, reuse=True)
     assert again is first and again.length == 0
-    assert lm._static_cache(512) is not first
-    for t in (first.all_keys, first.all_values):
+    assert lm._static_cache(512, reuse=True) is not first
+    again.advance(5)
+    scratch = lm._static_cache(256, reuse=False)
+    assert scratch is not first and first.length == 5  # the live sequence's cache is untouched
+    for t in (first.all_keys, first.all_values, scratch.all_keys, scratch.all_values):
         assert getattr(t, "_dynamo_static_input_type", None) == "unguarded"
     lm.compile_steps()  # on the CPU a compiled wrapper still gets a fresh cache each time
-    assert lm.new_cache(10) is not lm.new_cache(10)
+    assert lm.new_cache(10, reuse=True) is not lm.new_cache(10, reuse=True)
