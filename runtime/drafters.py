@@ -102,7 +102,7 @@ class ModelDrafter:
         self.shape = shape
         self.plan = None if plan is None or plan.is_identity else plan
         self.calibrate = calibrate and self.plan is not None
-        self.cache = model.new_cache(1, reuse=True)
+        self.cache = model.new_cache(1)  # a placeholder (a self-drafter's model is the target: never its live cache)
         self.pending: list[int] = []
         self.round = _Round()
         self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
