@@ -127,8 +127,7 @@ def generate_batch(target: CausalLM, requests: list[BatchRequest]) -> list[Gener
             i = waiting.pop(0)
             r = requests[i]
             seq = r.decoder.start(r.prompt, r.config)
-            if not seq.finished:  # the drafting model's catch-up over the prompt: prefill, as in generate
-                r.decoder.draft_prefill(seq.stats)
+            r.decoder.draft_prefill(seq)  # the drafting model's catch-up over the prompt, as in generate
             running.append((i, Member(r.decoder, seq)))
         live = [(i, m) for i, m in running if not m.seq.finished]
         for i, m in running:

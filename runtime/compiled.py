@@ -27,9 +27,14 @@ NEW_STEPS = [0]  # distinct steps seen so far in this process (each one a compil
 # how many happened inside measured runs
 
 
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether compiled steps on ``device`` run as CUDA graphs (launch-bound decode steps)."""
+    return device.type == "cuda"
+
+
 def compile_mode(device: torch.device) -> str:
-    """CUDA graphs on CUDA (launch-bound decode steps), inductor's default elsewhere."""
-    return "reduce-overhead" if device.type == "cuda" else "default"
+    """CUDA graphs on CUDA, inductor's default elsewhere."""
+    return "reduce-overhead" if cuda_graphs(device) else "default"
 
 
 def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
@@ -49,7 +54,7 @@ def bucketed(capacity: int, step: int = CAPACITY_BUCKET) -> int:
 def run_step(step: Callable[..., torch.Tensor], device: torch.device, *args: Any) -> torch.Tensor:
     """Call a compiled step. Under CUDA graphs each call is a new step whose output buffer the next
     replay overwrites, so the logits are copied out."""
-    if device.type != "cuda":
+    if not cuda_graphs(device):
         return step(*args)
     torch.compiler.cudagraph_mark_step_begin()
     return step(*args).clone()

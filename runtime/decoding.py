@@ -180,19 +180,22 @@ class Decoder:
                 drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
         return seq
 
-    def draft_prefill(self, stats: DecodeStats) -> None:
+    def draft_prefill(self, seq: "Sequence") -> None:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its
         catch-up, which that round would otherwise run), timed as prefill. It is the prompt's cost,
         paid once per request like the target's prefill, not a round's: counted in the first round it
         inflated a draft model's draft time per token (a GSM8K bench of the 0.5B draft chain: 2613
         ms per 100 tokens before, 2313 after). Runs after the first token is out (streaming's time to first token is the
-        target's prefill). Drafters on standby catch up when they are next used."""
+        target's prefill). Drafters on standby catch up when they are next used. Every way a
+        sequence is decoded calls it after ``start`` (``generate``, a batch, the server's worker):
+        a catch-up left to the first round made a request's controller measure its draft chain
+        slower than plain over its first window. Nothing to do once the sequence is finished."""
         sync = getattr(self.drafter, "sync", None)
-        if sync is None or self.draft_length < 1:
+        if sync is None or self.draft_length < 1 or seq.finished:
             return
         started = time.perf_counter()
         sync()
-        stats.prefill_s += time.perf_counter() - started
+        seq.stats.prefill_s += time.perf_counter() - started
 
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,
@@ -205,8 +208,8 @@ class Decoder:
         seq = self.start(prompt, config)
         out, cache, stats = seq.out, seq.cache, seq.stats
         stop = after_round is not None and after_round(out)
-        if not stop and not seq.finished:
-            self.draft_prefill(stats)
+        if not stop:
+            self.draft_prefill(seq)
         while not stop and not seq.finished:
             if before_round is not None:  # outside inference mode: a tuner may need autograd (GP fitting)
                 before_round(self, prompt + out, cache, stats)

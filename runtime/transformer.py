@@ -18,7 +18,7 @@ from runtime.attention import (
     InvariantRows, RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows,
     no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
-from runtime.compiled import bucketed, compile_step, note_step, run_step, step_key
+from runtime.compiled import bucketed, compile_step, cuda_graphs, note_step, run_step, step_key
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
@@ -221,7 +221,7 @@ class CausalLM:
         elif self.invariant:  # room for every row's whole key block (runtime.attention.key_blocks)
             capacity = round_keys(capacity)
         self.rope.ensure(capacity + 1, self.device)
-        if self.is_compiled and self.device.type == "cuda":
+        if self.is_compiled and cuda_graphs(self.device):
             return self._static_cache(capacity, reuse)
         d = self.dims
         return KVCache(d.n_layers, d.n_kv_heads, d.head_dim, capacity, self.dtype, self.device)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
+from autotune.measure.peers import agreement as agreed
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import ModelPool, build_decoder
 from search_spaces.strategy import PLAIN, Strategy
@@ -48,7 +50,8 @@ def kernels(device: str) -> None:
                      ("w8a8 (torch._int_mm)", int_mm)):
         try:
             out = fn()
-            torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             print(f"{name}: runs on {dev.type} (out {tuple(out.shape)} {out.dtype})", flush=True)
         except Exception as exc:  # noqa: BLE001 - the point is to report what fails
             print(f"{name}: fails on {dev.type}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
@@ -72,7 +75,7 @@ def agreement(model: str, device: str, tokens: int, compile_steps: bool, dtypes:
         reference = None
         for label, strategy in (("plain", PLAIN), *MODES.items()):
             if strategy.drafter == "draft-model":
-                strategy = Strategy(**{**strategy.to_dict(), "draft_precision": dtype})
+                strategy = replace(strategy, draft_precision=dtype)
             draft = model if strategy.drafter == "draft-model" else None
             try:
                 dec = build_decoder(pool, target, strategy, draft)
@@ -86,11 +89,10 @@ def agreement(model: str, device: str, tokens: int, compile_steps: bool, dtypes:
             out = list(result.tokens)
             if reference is None:
                 reference = out
-            first = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), min(len(out), len(reference)))
-            same = out == reference
+            first, longer = agreed(reference, out)
             s = result.stats
-            rows.append(f"| {dtype} | {label} | {'yes' if same else 'no'} | {first / max(len(reference), 1):.3f} "
-                        f"({first} of {len(reference)}) | {s.drafted} | {s.accepted} | {len(out) / wall:.1f} |")
+            rows.append(f"| {dtype} | {label} | {'yes' if out == reference else 'no'} | {first / max(longer, 1):.3f} "
+                        f"({first} of {longer}) | {s.drafted} | {s.accepted} | {len(out) / wall:.1f} |")
         print(f"\n{model} (random weights), {device}, compiled: {compile_steps}, {tokens} tokens\n"
               "| dtype | mode | identical to plain | agreement (tokens before the first difference) | drafted | "
               "accepted | tok/s |\n|---|---|---|---|---|---|---|", flush=True)

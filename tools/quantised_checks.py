@@ -14,6 +14,8 @@ lookup's n-grams, a faster draft head":
                                                 # rounds the replay prices and the text's unpriced tail
     python tools/quantised_checks.py retune --storage must.db --route gsm8k --task gsm8k --offset 30 --limit 3
                                                 # a forced serve --adaptive re-tune against plain decoding
+    python tools/quantised_checks.py catch-up --task gsm8k --offset 20 --limit 6
+                                                # a draft chain's prompt catch-up per request, against plain
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -442,10 +444,37 @@ def retune(args: argparse.Namespace) -> None:
                   f"trials {state.trials - before[1]}, drafted {got.stats.drafted}", flush=True)
 
 
+def catch_up(args: argparse.Namespace) -> None:
+    """A draft chain's prompt catch-up request by request, as a route's decoder meets them: the
+    server's decoder of GSM8K's stored strategy (the chain k=``--length`` checking a lookup copy
+    first, prompt lookup on standby), warmed on a dummy prompt as ``serve`` warms it, decodes the
+    task's prompts one after another beside plain decoding. Per prompt: the prefix its draft cache
+    already held, the catch-up (its prefill less plain decoding's) and both decodes."""
+    pool = ModelPool()
+    target = pool.get(args.model, args.precision)
+    chain = Strategy(draft_length=args.length, confidence_threshold=0.0, lookup_first=True)
+    spec = build_decoder(pool, target, chain, args.draft, verify_width=max(args.length, 8) + 1,
+                         standby=[Strategy(drafter="prompt-lookup", draft_length=8)])
+    plain = build_decoder(pool, target, PLAIN)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
+    for dec in (spec, plain):  # what DecodeWorker.warm_up decodes at start-up
+        dec.generate(list(range(1, 9)), GenerationConfig(max_new_tokens=24))
+    for p in load_prompts(args.task, None, args.limit, args.offset):
+        ids = encode_prompt(p, target.tokenizer)
+        rows = spec.drafter.exact_rows
+        held = next((i for i, (a, b) in enumerate(zip(rows, ids)) if a != b), min(len(rows), len(ids)))
+        got, want = spec.generate(ids, cfg), plain.generate(ids, cfg)
+        s, q = got.stats, want.stats
+        print(f"{p.id}: {len(ids)} prompt tokens, draft cache held {held}; catch-up {s.prefill_s - q.prefill_s:.2f} s; "
+              f"chain: prefill {s.prefill_s:.2f} s, rounds {s.wall_s - s.prefill_s:.2f} s; plain: prefill "
+              f"{q.prefill_s:.2f} s, rounds {q.wall_s - q.prefill_s:.2f} s; whole request {q.wall_s / s.wall_s:.2f}x plain; "
+              f"identical {got.tokens == want.tokens}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds", "lookup-rounds",
-                                      "retune"))
+                                      "retune", "catch-up"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -460,7 +489,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels,
-     "rounds": rounds, "lookup-rounds": lookup_rounds, "retune": retune}[args.check](args)
+     "rounds": rounds, "lookup-rounds": lookup_rounds, "retune": retune, "catch-up": catch_up}[args.check](args)
     return 0
 
 

@@ -490,13 +490,8 @@ class DecodeWorker:
             self._solo = None
             if self._after_round(job, seq.out):
                 self._leave(running)
-            elif not seq.finished:
-                # the drafting model's catch-up over the prompt runs now, timed as prefill, as in
-                # ``Decoder.generate``: inside the first round it counted as the strategy's draft time,
-                # and a GSM8K request's controller measured its draft chain slower than plain over its
-                # first window (a 750-token catch-up) and stopped it for the rest of the request
-                with torch.inference_mode():
-                    dec.draft_prefill(seq.stats)
+            else:  # the drafting model's catch-up over the prompt, after the first token is out
+                dec.draft_prefill(seq)
         except ApiError as exc:
             self._fail(job, running, exc)
         except Exception:  # a bug must not kill the worker: report it to this request only

@@ -106,6 +106,28 @@ def test_a_request_that_leaves_does_not_stop_its_batch_mates(live):
     worker.fault = None
 
 
+def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round(live, monkeypatch):
+    """The worker runs a joining request's draft catch-up over the prompt before its first round
+    (timed as prefill, as ``Decoder.generate`` does): inside the round it counted as the chain's
+    draft time, and a GSM8K request's controller stopped a chain that paid (docs/benchmarks.md,
+    issue 30 run 10)."""
+    from runtime.drafters import ModelDrafter
+
+    running, ids, _ = live
+    pending: list[int] = []
+    real = ModelDrafter.propose_steps
+
+    def propose_steps(self, *args, **kwargs):
+        pending.append(len(self.pending))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelDrafter, "propose_steps", propose_steps)
+    text = routing_texts("gsm8k", 1, 40)[0]
+    info = chat(running.client(), text, ids["chain"], max_tokens=12)[2]
+    assert info["drafted"] > 0
+    assert pending and pending[0] == 1, pending[:3]  # only the newest token was left for the first round
+
+
 def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
     slot = kv_bytes_per_slot(smollm.hf_model.config, 8192)
     assert slot == 2 * 30 * 3 * 64 * 4 * 8192  # SmolLM2: 30 layers, 3 KV heads of 64

@@ -162,27 +162,31 @@ def test_batched_rows_run_in_packed_calls_or_one_dense_gemm():
     assert row_way({}, 5) == "packed"
 
 
+def _pending_at_first_round(dec: Decoder) -> list[int]:
+    """Records what the drafter of ``dec`` has still to catch up on when its first round drafts."""
+    drafter, seen = dec.drafter, []
+    real = drafter.propose_steps
+
+    def propose_steps(*args, **kwargs):
+        if not seen:
+            seen.append(len(drafter.pending))
+        return real(*args, **kwargs)
+
+    drafter.propose_steps = propose_steps
+    return seen
+
+
 def test_a_draft_models_prompt_catch_up_is_prefill_in_a_batch_too():
     """A joining sequence's draft model catches up on the prompt when it joins, timed as its
     prefill (as ``Decoder.generate`` does), never inside its first round: counted there, it made a
     GSM8K request's controller measure its draft chain slower than plain over its first window and
     stop it for the rest of the request (the server's decode path runs these same pieces)."""
     dec = _decoders()["chain"]()
-    drafter = dec.drafter
-    at_first_round: list[int] = []
-    real_propose = drafter.propose_steps
-
-    def propose_steps(*args, **kwargs):
-        if not at_first_round:
-            at_first_round.append(len(drafter.pending))
-        return real_propose(*args, **kwargs)
-
-    drafter.propose_steps = propose_steps
+    at_first_round = _pending_at_first_round(dec)
     (result,) = generate_batch(dec.target, [BatchRequest(dec, PROMPTS[0], GenerationConfig(max_new_tokens=8))])
     assert result.stats.drafted > 0
     assert at_first_round == [1]  # the prompt was caught up before the first round: only the newest token waits
     alone = _decoders()["chain"]()
-    alone.drafter.propose_steps = lambda *a, **k: (at_first_round.append(len(alone.drafter.pending)),
-                                                   ModelDrafter.propose_steps(alone.drafter, *a, **k))[1]
+    alone_at_first_round = _pending_at_first_round(alone)
     alone.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8))
-    assert at_first_round[1] == 1  # what generate does, which the batch now matches
+    assert alone_at_first_round == [1]  # what generate does, which the batch now matches
