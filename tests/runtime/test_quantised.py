@@ -51,6 +51,24 @@ def test_the_invariance_check_has_power():
     assert not rows_invariant(make_linear("int8-dynamic", w, None), x)
 
 
+def test_w8a8_computes_the_same_numbers_on_either_int8_kernel(monkeypatch):
+    """oneDNN's pre-packed int8 linear (where present) and ``torch._int_mm`` give bit-identical
+    outputs: the numbers a w8a8 model decodes do not depend on which kernel this torch has."""
+    from runtime import quant
+
+    if not quant.onednn_int8_available():
+        pytest.skip("this torch build has no oneDNN int8 linear")
+    gen = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(17, 128, generator=gen) * torch.logspace(-2, 2, 17)[:, None]
+    packed = quant.W8A8Linear(w, b)
+    monkeypatch.setattr(quant, "onednn_int8_available", lambda: False)
+    plain = quant.W8A8Linear(w, b)
+    assert packed.packed is not None and plain.packed is None
+    for rows in (1, 2, 5, 17):
+        assert torch.equal(packed(x[:rows]), plain(x[:rows]))
+
+
 def test_int4_layout_holds_the_weights_it_was_built_from():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=gen)
