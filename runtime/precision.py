@@ -10,10 +10,12 @@ precision*. ``float32`` is identical to Hugging Face's float32 forward; the othe
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from runtime.auto_precision import cpu_auto_precision
 from runtime.errors import RuntimeUserError
 
 
@@ -41,11 +43,20 @@ PRECISIONS: dict[str, Precision] = {
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUTO = "auto"
 # ``auto`` per device kind: the fastest precision that is exact relative to itself for speculative
-# decoding, as measured (docs/benchmarks.md); bf16 where the GPU's kernels are fast
-AUTO_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "xpu": "bfloat16", "mps": "bfloat16"}
+# decoding; on the CPU int4 or w8a8, measured once per machine (``runtime.auto_precision``), bf16
+# where the GPU's kernels are fast
+AUTO_PRECISION: dict[str, str | Callable[[], str]] = {
+    "cpu": cpu_auto_precision, "cuda": "bfloat16", "xpu": "bfloat16", "mps": "bfloat16",
+}
 # drafts never have to be exact: ``auto`` picks the fastest draft step measured per device kind
 AUTO_DRAFT_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "mps": "bfloat16"}
 DEFAULT_PRECISION = "float32"  # the library default: identity with Hugging Face float32
+
+
+def auto_precision(kind: str) -> str:
+    """What ``auto`` means on device kind ``kind`` (measured on the CPU: the first call may probe)."""
+    chosen = AUTO_PRECISION[kind]
+    return chosen if isinstance(chosen, str) else chosen()
 
 
 def precision_names() -> str:
@@ -59,7 +70,7 @@ def get_precision(name: str, device: str | torch.device, compiled: bool = False,
     if name == AUTO:
         if kind not in AUTO_PRECISION:
             raise RuntimeUserError(f"no automatic precision for device '{device}'; pass {what} float32 or bfloat16")
-        name = AUTO_PRECISION[kind]
+        name = auto_precision(kind)
         if compiled and PRECISIONS[name].backend != "dense":
             name = "float32"
     name = ALIASES.get(name, name)

@@ -1,0 +1,100 @@
+"""``--precision auto`` on the CPU: int4 or w8a8, whichever this machine's kernels run faster.
+
+Both are exact relative to themselves (row-invariant kernels, ``runtime.quant``), so either one's
+speculative output equals its own plain output. Which is faster depends on the processor: on an
+Intel Xeon with AMX, torch's int4 kernel ran a plain step of the 1.5B 1.75x faster than w8a8; on
+an AMD EPYC with AVX-512 VNNI, w8a8 (oneDNN's packed int8 linear) verified 8 rows 1.7x faster than
+int4 and decoded plain as fast (docs/benchmarks.md, issue 26). So the choice is measured, once
+per machine: both backends run the same synthetic projections (the 1.5B's MLP shape, enough of
+them to stream from memory, not from cache) at one row (a plain step) and at ``VERIFY_ROWS`` rows
+(a speculative round's verify), and the precision with the smaller sum wins. The result is kept
+in ``~/.cache/autotune/auto-precision.json`` (``$AUTOTUNE_CACHE_DIR``) per processor, core and
+thread count and torch version, so only the first command on a machine pays the probe (a few
+seconds). ``$AUTOTUNE_AUTO_PRECISION`` pins the choice (reproducible runs, tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.errors import RuntimeUserError
+from runtime.machine import cpu_model_name
+
+CANDIDATES = ("int4", "w8a8")
+PIN_ENV = "AUTOTUNE_AUTO_PRECISION"
+CACHE_FILE = "auto-precision.json"
+VERIFY_ROWS = 8  # a speculative round's verify: a chain of 7 or a lookup copy of 7
+PROBE_SHAPE = (8960, 1536)  # the 1.5B's MLP down / up shape
+PROBE_MATRICES = 8  # 55 MB at int4, 110 MB at w8a8: beyond a 2-core machine's caches
+PROBE_REPEATS = 5
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get("AUTOTUNE_CACHE_DIR", Path.home() / ".cache" / "autotune")) / CACHE_FILE
+
+
+def _machine_key() -> str:
+    return f"{cpu_model_name()} x{os.cpu_count() or 0} t{torch.get_num_threads()} torch{torch.__version__}"
+
+
+def probe() -> dict[str, float]:
+    """Seconds each candidate takes over the probe's matrices at 1 and ``VERIFY_ROWS`` rows (summed,
+    best of ``PROBE_REPEATS``)."""
+    from runtime.linear import make_linear
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*PROBE_SHAPE, generator=gen) * 0.02 for _ in range(PROBE_MATRICES)]
+    inputs = [torch.randn(rows, PROBE_SHAPE[1], generator=gen) for rows in (1, VERIFY_ROWS)]
+    seconds = {}
+    with torch.inference_mode():
+        for name in CANDIDATES:
+            linears = [make_linear(name, w, None) for w in weights]
+            total = 0.0
+            for x in inputs:
+                for lin in linears:  # warm: first-call allocations
+                    lin(x)
+                best = float("inf")
+                for _ in range(PROBE_REPEATS):
+                    start = time.perf_counter()
+                    for lin in linears:
+                        lin(x)
+                    best = min(best, time.perf_counter() - start)
+                total += best
+            seconds[name] = total
+            del linears
+    return seconds
+
+
+def cpu_auto_precision() -> str:
+    """The precision ``auto`` means on this CPU: pinned by ``$AUTOTUNE_AUTO_PRECISION``, else this
+    machine's kept probe result, else a new probe (kept)."""
+    pinned = os.environ.get(PIN_ENV, "").strip()
+    if pinned:
+        if pinned not in CANDIDATES:
+            raise RuntimeUserError(f"${PIN_ENV}={pinned!r} is not a CPU auto precision; use one of {', '.join(CANDIDATES)}")
+        return pinned
+    path, key = _cache_path(), _machine_key()
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    hit = kept.get(key) if isinstance(kept, dict) else None
+    if isinstance(hit, dict) and hit.get("precision") in CANDIDATES:
+        return hit["precision"]
+    seconds = probe()
+    choice = min(CANDIDATES, key=lambda name: seconds[name])
+    kept = kept if isinstance(kept, dict) else {}
+    kept[key] = {"precision": choice, "seconds": {k: round(v, 6) for k, v in seconds.items()},
+                 "verify_rows": VERIFY_ROWS}
+    try:  # written whole (a rename), so a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1))
+        tmp.replace(path)
+    except OSError:  # an unwritable cache: this process keeps its answer, the next one probes again
+        pass
+    return choice
