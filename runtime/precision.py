@@ -70,9 +70,12 @@ def get_precision(name: str, device: str | torch.device, compiled: bool = False,
     if name == AUTO:
         if kind not in AUTO_PRECISION:
             raise RuntimeUserError(f"no automatic precision for device '{device}'; pass {what} float32 or bfloat16")
-        name = auto_precision(kind)
-        if compiled and PRECISIONS[name].backend != "dense":
-            name = "float32"
+        if compiled and not isinstance(AUTO_PRECISION[kind], str):  # the CPU's measured choice is quantised
+            name = "float32"  # either way: nothing to probe
+        else:
+            name = auto_precision(kind)
+            if compiled and PRECISIONS[name].backend != "dense":
+                name = "float32"
     name = ALIASES.get(name, name)
     if name not in PRECISIONS:
         raise RuntimeUserError(f"unknown precision '{name}' for {what}; choose one of {precision_names()}")

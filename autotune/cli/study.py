@@ -186,12 +186,13 @@ def _precision_text(info: dict[str, Any] | None) -> str:
     """The precision tuned at, and the fastest one predicted for the stored strategy and for plain."""
     if not info:
         return "-"
+    from runtime.auto_precision import CANDIDATES
     from runtime.precision import auto_precision
 
     est = {e["precision"]: e for e in info["estimates"]}
     fastest, plain = info["fastest"], info["fastest_plain"]
     text = f"tuned at {info['precision']}"
-    if info["precision"] == auto_precision("cpu"):
+    if info["precision"] in CANDIDATES and info["precision"] == auto_precision("cpu"):  # CPU-only precisions
         text += (" (auto on this CPU: of int4 and w8a8, whose speculation is exact relative to their plain "
                  "decoding, the one its kernels ran faster)")
     text += (f"; predicted fastest here: {fastest} for the stored strategy ({est[fastest]['chosen_tps']:.1f} tok/s), "

@@ -53,9 +53,10 @@ def test_the_pin_decides_and_a_bad_pin_is_one_clear_error(monkeypatch):
         get_precision("auto", "cpu")
 
 
-def test_auto_stays_bfloat16_off_the_cpu_without_probing(monkeypatch):
-    monkeypatch.setattr(auto_precision, "probe", lambda: pytest.fail("only the CPU is probed"))
+def test_auto_stays_bfloat16_off_the_cpu_and_float32_compiled_without_probing(unpinned, monkeypatch):
+    monkeypatch.setattr(auto_precision, "probe", lambda: pytest.fail("nothing here needs the probe"))
     assert get_precision("auto", "cuda").name == "bfloat16"
+    assert get_precision("auto", "cpu", compiled=True).name == "float32"  # quantised kernels do not compile
 
 
 def test_the_probe_times_both_candidates_on_this_machine():
