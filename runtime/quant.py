@@ -11,7 +11,8 @@ speculative decoding at a quantised precision is lossless relative to plain deco
   ``w = (q - 8) * scale + zero`` with ``q`` in 0..15: GGUF's Q4_0/Q4_1/Q4_K blocks map onto it.
   A matrix whose shape the kernel cannot hold (output rows not a multiple of 16) runs ``int8``.
 - ``w8a8``: int8 weights per output channel and int8 activations with one scale per row (per token),
-  integer accumulation (``torch._int_mm``); its cost is nearly flat in the number of rows.
+  integer accumulation (oneDNN's int8 linear on pre-packed weights, else ``torch._int_mm``: the
+  same numbers); its cost grows little with the rows.
 - ``int8-dynamic``: fbgemm's dynamic int8 (one activation scale per call, so *not* row-invariant):
   kept for drafts only, which never have to be exact.
 
