@@ -44,7 +44,7 @@ def _machine_key() -> str:
 def probe() -> dict[str, float]:
     """Seconds each candidate takes over the probe's matrices at 1 and ``VERIFY_ROWS`` rows (summed,
     best of ``PROBE_REPEATS``)."""
-    from runtime.linear import make_linear
+    from runtime.linear import BACKEND_AVAILABLE, make_linear
 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(*PROBE_SHAPE, generator=gen) * 0.02 for _ in range(PROBE_MATRICES)]
@@ -52,6 +52,9 @@ def probe() -> dict[str, float]:
     seconds = {}
     with torch.inference_mode():
         for name in CANDIDATES:
+            if not BACKEND_AVAILABLE[name]():  # this torch build lacks its kernel: never chosen
+                seconds[name] = float("inf")
+                continue
             linears = [make_linear(name, w, None) for w in weights]
             total = 0.0
             for x in inputs:
