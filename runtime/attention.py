@@ -229,22 +229,21 @@ class InvariantRows:
     groups: tuple[tuple[torch.Tensor, int], ...] = ()  # a tree's (rows, key count) groups
     # the additive query-block masks of contiguous rows, built by the forward's first layer and
     # reused by the others (every layer without its own sliding window reads the same mask)
-    _masks: dict[tuple[int, int, int, int, int], torch.Tensor] = field(default_factory=dict, compare=False,
-                                                                      hash=False, repr=False)
+    _masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    def block_mask(self, mask: torch.Tensor, lo: int, hi: int, keys: int, rep: int) -> torch.Tensor:
+    def block_mask(self, mask: torch.Tensor, lo: int, hi: int, keys: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``lo:hi`` of ``mask`` over its first ``keys`` slots, repeated for the ``rep`` query
         heads sharing a K/V head and padded with rows that see every slot to a whole number of
         ``INVARIANT_ROWS`` -> the additive float mask (0 or -inf) the kernel would have made of the
         bool one itself, once per forward rather than once per layer."""
-        key = (mask.data_ptr(), lo, hi, keys, rep)
+        key = (mask.data_ptr(), lo, hi, keys, rep, dtype)
         hit = self._masks.get(key)
         if hit is None:
             seen = mask[lo:hi, :keys].repeat(rep, 1)
             pad = -seen.shape[0] % INVARIANT_ROWS
             if pad:
                 seen = torch.cat([seen, seen.new_ones(pad, keys)])
-            hit = self._masks[key] = torch.zeros(seen.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+            hit = self._masks[key] = torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(
                 ~seen, float("-inf"))
         return hit
 
@@ -295,7 +294,7 @@ def sdpa_invariant(
     for lo, hi, keys in rows.blocks:
         n = hi - lo
         qg = q[:, lo:hi].reshape(hkv, rep * n, d)  # heads sharing a K/V head packed; rep == 1 too
-        mg = rows.block_mask(mask, lo, hi, keys, rep).to(q.dtype)
+        mg = rows.block_mask(mask, lo, hi, keys, rep, q.dtype)
         outs.append(_in_blocks(qg, k[:, :keys], v[:, :keys], mg, scale).reshape(h, n, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from runtime.errors import RuntimeUserError
-from runtime.machine import cpu_model_name
+from runtime.machine import cache_root, cpu_fingerprint
 
 CANDIDATES = ("int4", "w8a8")
 PIN_ENV = "AUTOTUNE_AUTO_PRECISION"
@@ -31,14 +30,6 @@ VERIFY_ROWS = 8  # a speculative round's verify: a chain of 7 or a lookup copy o
 PROBE_SHAPE = (8960, 1536)  # the 1.5B's MLP down / up shape
 PROBE_MATRICES = 8  # 55 MB at int4, 110 MB at w8a8: beyond a 2-core machine's caches
 PROBE_REPEATS = 5
-
-
-def _cache_path() -> Path:
-    return Path(os.environ.get("AUTOTUNE_CACHE_DIR", Path.home() / ".cache" / "autotune")) / CACHE_FILE
-
-
-def _machine_key() -> str:
-    return f"{cpu_model_name()} x{os.cpu_count() or 0} t{torch.get_num_threads()} torch{torch.__version__}"
 
 
 def probe() -> dict[str, float]:
@@ -80,7 +71,7 @@ def cpu_auto_precision() -> str:
         if pinned not in CANDIDATES:
             raise RuntimeUserError(f"${PIN_ENV}={pinned!r} is not a CPU auto precision; use one of {', '.join(CANDIDATES)}")
         return pinned
-    path, key = _cache_path(), _machine_key()
+    path, key = cache_root() / CACHE_FILE, cpu_fingerprint()
     try:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):

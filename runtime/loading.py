@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from runtime.errors import RuntimeUserError
+from runtime.machine import cache_root
 from runtime.models import MODEL_ALIASES, HubModel, LocalModel, ModelSource, PackagedGGUF, resolve_model
 from runtime.precision import DEFAULT_PRECISION, PRECISIONS, Precision, get_precision
 
@@ -87,10 +88,6 @@ def at_precision(model: LoadedModel, precision: Precision) -> LoadedModel:
     base = model.model_id.split("#")[0]
     model_id = base if precision.name == DEFAULT_PRECISION else f"{base}#{precision.name}"
     return replace(model, precision=precision.name, model_id=model_id)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("AUTOTUNE_CACHE_DIR", Path.home() / ".cache" / "autotune"))
 
 
 def _package_dir(import_name: str, pip_specs: tuple[str, ...]) -> Path:

@@ -7,9 +7,7 @@ host names or serial numbers, so teams sharing one database share results across
 """
 from __future__ import annotations
 
-import os
-
-from runtime.machine import cpu_model_name
+from runtime.machine import cpu_fingerprint
 
 
 def hardware_fingerprint(device: str = "cpu") -> str:
@@ -23,7 +21,7 @@ def hardware_fingerprint(device: str = "cpu") -> str:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise RuntimeUserError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
-    parts = [cpu_model_name(), f"x{os.cpu_count() or 0}", f"t{torch.get_num_threads()}", f"torch{torch.__version__}"]
+    parts = [cpu_fingerprint()]
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else 0
         name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else "unavailable"

@@ -31,7 +31,7 @@ def test_auto_is_the_faster_candidate_and_the_answer_is_kept(unpinned, monkeypat
     assert entry["precision"] == "w8a8" and entry["seconds"] == {"int4": 0.009, "w8a8": 0.004}
     assert get_precision("auto", "cpu").name == "w8a8" and len(calls) == 1  # read back, not probed again
     # another machine (here: another thread count) probes for itself
-    monkeypatch.setattr(auto_precision, "_machine_key", lambda: "another machine")
+    monkeypatch.setattr(auto_precision, "cpu_fingerprint", lambda: "another machine")
     monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.003, "w8a8": 0.004})
     assert get_precision("auto", "cpu").name == "int4"
     assert set(json.loads(unpinned.read_text())) == {"another machine", *kept}
