@@ -5,7 +5,7 @@ SDPA. Shapes: batch 1, ``q`` ``[H, T, D]``, keys/values ``[Hkv, S, D]``, masks `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -227,25 +227,6 @@ class InvariantRows:
     positions: torch.Tensor | None = None  # [T] a tree's row positions; None for contiguous rows
     order: torch.Tensor | None = None  # [T, K] each tree row's attended slots, ascending (then the rest)
     groups: tuple[tuple[torch.Tensor, int], ...] = ()  # a tree's (rows, key count) groups
-    # the additive query-block masks of contiguous rows, built by the forward's first layer and
-    # reused by the others (every layer without its own sliding window reads the same mask)
-    _masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    def block_mask(self, mask: torch.Tensor, lo: int, hi: int, keys: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``lo:hi`` of ``mask`` over its first ``keys`` slots, repeated for the ``rep`` query
-        heads sharing a K/V head and padded with rows that see every slot to a whole number of
-        ``INVARIANT_ROWS`` -> the additive float mask (0 or -inf) the kernel would have made of the
-        bool one itself, once per forward rather than once per layer."""
-        key = (mask.data_ptr(), lo, hi, keys, rep, dtype)
-        hit = self._masks.get(key)
-        if hit is None:
-            seen = mask[lo:hi, :keys].repeat(rep, 1)
-            pad = -seen.shape[0] % INVARIANT_ROWS
-            if pad:
-                seen = torch.cat([seen, seen.new_ones(pad, keys)])
-            hit = self._masks[key] = torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(
-                ~seen, float("-inf"))
-        return hit
 
     @staticmethod
     def contiguous(start: int, t: int) -> "InvariantRows":
@@ -294,7 +275,7 @@ def sdpa_invariant(
     for lo, hi, keys in rows.blocks:
         n = hi - lo
         qg = q[:, lo:hi].reshape(hkv, rep * n, d)  # heads sharing a K/V head packed; rep == 1 too
-        mg = rows.block_mask(mask, lo, hi, keys, rep, q.dtype)
+        mg = mask[lo:hi, :keys].repeat(rep, 1)
         outs.append(_in_blocks(qg, k[:, :keys], v[:, :keys], mg, scale).reshape(h, n, d))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -333,14 +314,13 @@ def _gathered(
 
 
 def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` ``[Hk, R, D]`` attended in calls of exactly ``INVARIANT_ROWS`` rows each. ``mask``:
-    bool ``[R, S]``, or an additive float mask already padded to those calls (``block_mask``)."""
+    """``q`` ``[Hk, R, D]`` attended in calls of exactly ``INVARIANT_ROWS`` rows each."""
     rows = q.shape[1]
     padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
     if padded != rows:
         q = torch.cat([q, q.new_zeros(q.shape[0], padded - rows, q.shape[2])], dim=1)
-        if mask.shape[0] != padded:  # padding rows see every slot (their output is dropped)
-            mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
+        # padding rows see every slot (their output is dropped)
+        mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
     outs = [
         F.scaled_dot_product_attention(
             q[None, :, i : i + INVARIANT_ROWS], k[None], v[None], scale=scale,

@@ -16,6 +16,9 @@ lookup's n-grams, a faster draft head":
                                                 # a forced serve --adaptive re-tune against plain decoding
     python tools/quantised_checks.py catch-up --task gsm8k --offset 20 --limit 6
                                                 # a draft chain's prompt catch-up per request, against plain
+    python tools/quantised_checks.py int8-kernels
+                                                # w8a8's two int8 kernels by rows; the int8 head as two
+                                                # int4 halves; the auto-precision probe
 
 ``identity`` decodes each prompt plainly and with the 0.5B draft chain (k=10, threshold 0.6) at the
 given precision and prints where they part (none: identical), with the tokens drafted. ``timings``
@@ -471,10 +474,56 @@ def catch_up(args: argparse.Namespace) -> None:
               f"identical {got.tokens == want.tokens}", flush=True)
 
 
+def int8_kernels(args: argparse.Namespace) -> None:
+    """The int8 kernels by rows (docs: the issue 26 re-run on an AMD EPYC): ``torch._int_mm``
+    against oneDNN's packed int8 linear over 24 distinct 8960x1536 matrices; the int8 output head
+    (151936x1536, weight-only kernel) against the same int8 weights run as two int4 nibble halves
+    through the int4 kernel (``q8 = 16 hi + lo``), at 1 and 11 rows; and ``--precision auto``'s probe."""
+    from runtime import auto_precision
+    from runtime.quant import Int8WeightOnlyLinear, quantise_int8
+
+    gen = torch.Generator().manual_seed(0)
+    qs = [torch.randint(-127, 128, (8960, 1536), dtype=torch.int8, generator=gen) for _ in range(24)]
+    w_scale = torch.rand(8960, generator=gen) * 0.01
+    packed = [torch.ops.onednn.qlinear_prepack(q, None) for q in qs]
+    zero = torch.zeros(8960, dtype=torch.int64)
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randint(-127, 128, (rows, 1536), dtype=torch.int8, generator=gen)
+        xu = (x.to(torch.int16) + 128).to(torch.uint8)
+        int_mm = best_ms(lambda: [torch._int_mm(x, q.t()) for q in qs], 5)
+        onednn = best_ms(lambda: [torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, p, w_scale, zero, None, 1.0, 0,
+                                                                    torch.float32, "none", [], "") for p in packed], 5)
+        print(f"24 x 8960x1536 int8 at {rows} rows: _int_mm {int_mm:.1f} ms, oneDNN packed {onednn:.1f} ms", flush=True)
+    del qs, packed
+    vocab, hidden = 151936, 1536
+    w = torch.randn(vocab, hidden, generator=gen) * 0.02
+    int8 = Int8WeightOnlyLinear(w, None)
+    q8, scale = quantise_int8(w)
+    hi = torch.div(q8.int(), 16, rounding_mode="floor")  # -8..7
+    lo = q8.int() - 16 * hi  # 0..15
+    halves = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat([hi + 8, lo]).to(torch.int32), 1)
+    group, sb = 256, scale.to(torch.bfloat16)
+    scale_zero = torch.stack([torch.cat([sb * 16, sb])[None].expand(hidden // group, -1),
+                              torch.cat([torch.zeros_like(sb), sb * 8])[None].expand(hidden // group, -1)], -1).contiguous()
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), halves, group, scale_zero)
+        return y[:, :vocab].float() + y[:, vocab:].float()
+
+    for rows in (1, 11):
+        x = torch.randn(rows, hidden, generator=gen)
+        print(f"head {vocab}x{hidden} at {rows} rows: int8 kernel {best_ms(lambda: int8(x), 10):.1f} ms, "
+              f"two int4 halves {best_ms(lambda: split(x), 10):.1f} ms", flush=True)
+    seconds = auto_precision.probe()
+    print("auto-precision probe (1 + 8 rows, 8 x 8960x1536): "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items())
+          + f" -> {min(seconds, key=seconds.get)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("check", choices=("identity", "timings", "lookup", "heads", "kernels", "rounds", "lookup-rounds",
-                                      "retune", "catch-up"))
+                                      "retune", "catch-up", "int8-kernels"))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--precision", default="int4")
@@ -489,7 +538,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     {"identity": identity, "timings": timings, "lookup": lookup, "heads": heads, "kernels": kernels,
-     "rounds": rounds, "lookup-rounds": lookup_rounds, "retune": retune, "catch-up": catch_up}[args.check](args)
+     "rounds": rounds, "lookup-rounds": lookup_rounds, "retune": retune, "catch-up": catch_up,
+     "int8-kernels": int8_kernels}[args.check](args)
     return 0
 
 
