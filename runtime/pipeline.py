@@ -11,7 +11,7 @@ from runtime.draft import Drafter
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
-from runtime.linear import mkl_packing_available
+from runtime.linear import float32_cpu_backend, mkl_packing_available
 from runtime.loading import (
     LoadedModel, as_precision, at_precision, check_vocab_compatible, load_model, prepare_backend, random_model,
 )
@@ -80,8 +80,12 @@ class ModelPool:
 
     def served(self, target: LoadedModel) -> CausalLM:
         """A wrapper of ``target`` running its precision's linear backend at every width (the
-        quantised weights made once and shared; float precisions: a fresh dense wrapper)."""
+        quantised weights made once and shared; float32 on the CPU: ``float32_cpu_backend``, oneDNN's
+        row-invariant GEMMs unless pinned to dense; other float precisions: a fresh dense wrapper)."""
         backend = PRECISIONS[target.precision].backend
+        if backend == "dense" and not self.compile and target.dtype == torch.float32 \
+                and torch.device(self.device).type == "cpu":
+            backend = float32_cpu_backend()
         if backend == "dense":
             return CausalLM(target.hf_model)
         if self.compile:
