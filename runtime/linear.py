@@ -192,7 +192,7 @@ ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8", "onednn")
 # projections' concatenated weights (q/k/v, gate/up) gives each part bit-identically what its own
 # call gives (tests/runtime/test_quantised.py), for fewer calls and casts per layer (a step of the
 # int4 1.5B: 28 x 7 -> 28 x 4 calls; its time moved within noise). float32 and bf16 GEMMs may block differently by width, so
-# they keep one call per projection (float32 is bit-identical to Hugging Face's forward).
+# they keep one call per projection (dense float32 is bit-identical to Hugging Face's forward).
 FUSED_BACKENDS = ("int8", "int4", "w8a8")
 # fused projection -> its parts, in output order
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}

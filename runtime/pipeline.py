@@ -82,10 +82,7 @@ class ModelPool:
         """A wrapper of ``target`` running its precision's linear backend at every width (the
         quantised weights made once and shared; float32 on the CPU: ``float32_cpu_backend``, oneDNN's
         row-invariant GEMMs unless pinned to dense; other float precisions: a fresh dense wrapper)."""
-        backend = PRECISIONS[target.precision].backend
-        if backend == "dense" and not self.compile and target.dtype == torch.float32 \
-                and torch.device(self.device).type == "cpu":
-            backend = float32_cpu_backend()
+        backend = served_backend(target, self.device, self.compile)
         if backend == "dense":
             return CausalLM(target.hf_model)
         if self.compile:
@@ -94,6 +91,15 @@ class ModelPool:
                 "use --precision float32 or bfloat16 with --compile"
             )
         return self.target_for_width(target, backend, 1)
+
+
+def served_backend(model: LoadedModel, device: str, compiled: bool = False) -> str:
+    """The linear backend ``model`` runs at every width as a target: its precision's, and for
+    float32 on the CPU, uncompiled, ``runtime.linear.float32_cpu_backend`` (oneDNN unless pinned)."""
+    backend = PRECISIONS[model.precision].backend
+    if backend == "dense" and not compiled and model.dtype == torch.float32 and torch.device(device).type == "cpu":
+        return float32_cpu_backend()
+    return backend
 
 
 DrafterFactory = Callable[[ModelPool, LoadedModel, "str | None", Strategy, CausalLM], "Drafter | None"]

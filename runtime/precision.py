@@ -6,7 +6,9 @@ linear backend of every projection and the head (``runtime.linear``). The quanti
 tree in float32 and run the projections on torch's CPU kernels, whose rows are invariant to the
 number of rows in a call (``runtime.quant``): every width of a model, plain steps and verifies, is
 computed by one kernel family, so speculative greedy output equals plain greedy output *at that
-precision*. ``float32`` is identical to Hugging Face's float32 forward; the others are not.
+precision*. ``float32`` on the CPU runs oneDNN's float32 GEMMs, row-invariant too
+(``runtime.linear.float32_cpu_backend``); with ``AUTOTUNE_FLOAT32_KERNEL=dense``, and off the CPU, it is
+identical to Hugging Face's float32 forward. The others never are.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "float32": Precision("float32", torch.float32, "dense", summary="exact Hugging Face float32 arithmetic"),
+    "float32": Precision("float32", torch.float32, "dense", summary="float32 arithmetic (CPU: oneDNN GEMMs; AUTOTUNE_FLOAT32_KERNEL=dense: Hugging Face's own)"),
     "bfloat16": Precision("bfloat16", torch.bfloat16, "dense", summary="bf16 weights and activations"),
     "float16": Precision("float16", torch.float16, "dense", summary="fp16 weights and activations"),
     "int8": Precision("int8", torch.float32, "int8", ("cpu",), "int8 weights per channel, bf16 activations"),
@@ -50,7 +52,7 @@ AUTO_PRECISION: dict[str, str | Callable[[], str]] = {
 }
 # drafts never have to be exact: ``auto`` picks the fastest draft step measured per device kind
 AUTO_DRAFT_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "mps": "bfloat16"}
-DEFAULT_PRECISION = "float32"  # the library default: identity with Hugging Face float32
+DEFAULT_PRECISION = "float32"  # the library default: float32 arithmetic (runtime.linear.float32_cpu_backend)
 
 
 def auto_precision(kind: str) -> str:

@@ -16,9 +16,9 @@ MODEL_FLAGS: dict[str, dict[str, Any]] = {
     "model": {"required": True, "help": "target: alias, local directory or hub id"},
     "draft": {"help": "draft model of the same family (alias, directory or hub id)"},
     "precision": {"aliases": ("--dtype",), "default": "auto",
-                  "help": "target arithmetic: float32 (identical to Hugging Face float32), bfloat16, int8, int4 "
-                          "(weight-only, bf16 activations), w8a8 (int8 weights and activations), or auto (int4 on "
-                          "CPU, bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "
+                  "help": "target arithmetic: float32 (CPU: oneDNN kernels; AUTOTUNE_FLOAT32_KERNEL=dense: identical to Hugging "
+                          "Face float32), bfloat16, int8, int4 (weight-only, bf16 activations), w8a8 (int8 weights and "
+                          "activations), or auto (int4 or w8a8 on CPU, measured; bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "
                           "precision. --dtype is the same flag"},
     "device": {"default": "cpu"},
     "compile": {"action": "store_true",

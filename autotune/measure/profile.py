@@ -26,7 +26,7 @@ from torch.utils.benchmark import Timer
 from autotune.errors import CliError
 from runtime.kv_cache import KVCache
 from runtime.loading import LoadedModel, prepare_backend
-from runtime.pipeline import ModelPool, verify_backend
+from runtime.pipeline import ModelPool, served_backend, verify_backend
 from runtime.precision import PRECISIONS, get_precision
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan
@@ -117,11 +117,12 @@ def _timed(
     return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
 
 
-def served_lm(model: LoadedModel, draft: bool = False) -> CausalLM:
-    """``model`` as a plain step runs it: its precision's linear backend (dense for float ones);
+def served_lm(model: LoadedModel, draft: bool = False, compiled: bool = False) -> CausalLM:
+    """``model`` as a plain step runs it: its precision's linear backend (float32 on the CPU:
+    oneDNN's, ``runtime.pipeline.served_backend``; other float ones dense);
     ``draft``: as a draft model drafts (its draft head, ``runtime.pipeline.ModelPool.draft_wrapper``)."""
     lm = CausalLM(model.hf_model)
-    backend = PRECISIONS[model.precision].backend
+    backend = PRECISIONS[model.precision].backend if draft else served_backend(model, str(lm.device), compiled)
     if backend != "dense":
         prepare_backend(model, backend)
         lm.use_linear_backend(backend, draft=draft)
@@ -130,10 +131,10 @@ def served_lm(model: LoadedModel, draft: bool = False) -> CausalLM:
 
 def verify_lm(target: LoadedModel, width: int, compiled: bool = False, served: CausalLM | None = None) -> CausalLM:
     """The target as a decoder verifying ``width`` rows runs it (``runtime.pipeline.build_decoder``):
-    a quantised precision's one kernel family at every width; float32 weights packed for the width on
+    a quantised precision's (or oneDNN's float32) one kernel family at every width; float32 weights packed for the width on
     CPU (unless compiled); the model's own weights elsewhere."""
-    if PRECISIONS[target.precision].quantised:
-        return served if served is not None else served_lm(target)
+    if served_backend(target, str(target.hf_model.device), compiled) != "dense":  # one kernel family, every width
+        return served if served is not None else served_lm(target, compiled=compiled)
     lm = CausalLM(target.hf_model)
     backend = verify_backend(str(lm.device))
     if width > 1 and backend != "dense" and lm.dtype == torch.float32 and not compiled:
@@ -143,7 +144,7 @@ def verify_lm(target: LoadedModel, width: int, compiled: bool = False, served: C
 
 def profile_target(target: LoadedModel, s: ProfileSettings) -> tuple[StepTime, list[StepTime]]:
     """The plain step and the verify step at every width (one packed copy of the weights at a time)."""
-    served = served_lm(target)
+    served = served_lm(target, compiled=s.compile)
     plain = _timed("plain", target.name, served, 1, None, "none", s)
     verify = [_timed("verify", target.name, verify_lm(target, w, s.compile, served), w, None, "none", s)
               for w in sorted(set(s.widths))]
