@@ -1,5 +1,6 @@
-"""Quantised precisions (int8, int4, w8a8): row-invariant kernels, hence speculative greedy output
-identical to plain greedy output at the same precision, on tiny models and on SmolLM2."""
+"""Quantised precisions (int8, int4, w8a8) and float32 on oneDNN: row-invariant kernels, hence
+speculative greedy output identical to plain greedy output at the same precision, on tiny models
+and on SmolLM2."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
-from runtime.linear import make_linear
+from runtime.linear import FLOAT32_KERNEL_ENV, float32_cpu_backend, make_linear, onednn_available
 from runtime.lookup import PromptLookupDrafter
 from runtime.pipeline import ModelPool, build_decoder, eos_ids
 from runtime.precision import PRECISIONS, get_precision
@@ -19,7 +20,9 @@ from search_spaces import PLAIN, Strategy, easyspec_plan, uniform_skip_plan
 from search_spaces.layer_plan import LayerPlan
 
 QUANTISED = [name for name, p in PRECISIONS.items() if p.quantised]
-ROW_INVARIANT = ["int8", "int4", "w8a8"]
+QUANTISED_ROW_INVARIANT = ["int8", "int4", "w8a8"]
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN float32 linear")
+ROW_INVARIANT = [*QUANTISED_ROW_INVARIANT, pytest.param("onednn", marks=needs_onednn)]
 
 
 def rows_invariant(linear, x: torch.Tensor) -> bool:
@@ -67,6 +70,39 @@ def test_w8a8_computes_the_same_numbers_on_either_int8_kernel(monkeypatch):
     assert packed.packed is not None and plain.packed is None
     for rows in (1, 2, 5, 17):
         assert torch.equal(packed(x[:rows]), plain(x[:rows]))
+
+
+@needs_onednn
+def test_onednn_float32_rows_equal_every_width_and_the_float_projection():
+    """oneDNN's float32 GEMM computes a row the same at 1-17 rows and inside a 32-row call (a
+    lone row runs as two), on the 1.5B's MLP shape, and within float32 rounding of F.linear."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(896, 1536, generator=gen) * 0.02, torch.randn(896, generator=gen)
+    x = torch.randn(32, 1536, generator=gen)
+    linear = make_linear("onednn", w, b)
+    together = linear(x)
+    for rows in (1, 2, 3, 11, 16, 17):
+        assert torch.equal(linear(x[:rows]), together[:rows]), rows
+    assert torch.allclose(together, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_float32_kernel_pin(monkeypatch):
+    """float32 runs oneDNN on the CPU where present; the environment pins Hugging Face's dense
+    arithmetic; anything else is a one-line error."""
+    monkeypatch.delenv(FLOAT32_KERNEL_ENV, raising=False)
+    assert float32_cpu_backend() == ("onednn" if onednn_available() else "dense")
+    model = tiny_model("llama", 1, layers=2)
+    pool = ModelPool()
+    from runtime.loading import LoadedModel
+
+    loaded = LoadedModel("tiny", "tiny", "0", model, None)
+    assert pool.served(loaded).backend == float32_cpu_backend()
+    assert ModelPool(compile=True).served(loaded).backend == "dense"  # compiled steps need dense weights
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "dense")
+    assert pool.served(loaded).backend == "dense"
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "mkl")
+    with pytest.raises(RuntimeUserError, match="AUTOTUNE_FLOAT32_KERNEL='mkl' is not a float32 kernel"):
+        pool.served(loaded)
 
 
 def test_int4_layout_holds_the_weights_it_was_built_from():
@@ -126,7 +162,7 @@ def test_tiny_speculation_equals_plain_at_the_same_precision(backend):
 
 
 
-@pytest.mark.parametrize("backend", ROW_INVARIANT)
+@pytest.mark.parametrize("backend", QUANTISED_ROW_INVARIANT)
 def test_fused_projections_compute_each_part_bit_identically(backend, monkeypatch):
     """The quantised backends run q/k/v and gate/up as one call each (runtime.linear.FUSED_BACKENDS);
     every logit of steps and a verify equals what one call per projection gives, bit for bit."""
