@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-MAX_COMPILED_STEPS = 24  # distinct (plan, shape) graphs kept, over every compiled model in the process
+MAX_COMPILED_STEPS = 40  # distinct (plan, shape) graphs kept, over every compiled model in the process
+# (a compiled server: its decode and verify steps plus a batched step per row bucket, runtime.slots)
 
 CAPACITY_BUCKET = 256  # compiled decodes size their caches in these steps: one graph per bucket, not per prompt
 

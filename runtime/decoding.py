@@ -171,7 +171,7 @@ class Decoder:
         self.check_fits(len(prompt), config)
         seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
         seq.gen = decode_generator(self.target.device, config.seed)
-        seq.cache = self.target.new_cache(seq.capacity, reuse=True)
+        seq.cache = self._sequence_cache(seq.capacity)
         with torch.inference_mode():
             seq.out.append(self.prefill(prompt, seq.cache, config.sampling, seq.gen))
             seq.stats.prefill_s = time.perf_counter() - seq.started
@@ -179,6 +179,14 @@ class Decoder:
             for drafter in self._following():
                 drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
         return seq
+
+    def _sequence_cache(self, capacity: int) -> KVCache:
+        """A sequence's target cache: the target's slot of its ``SlotCache`` where it has one and the
+        sequence fits (``runtime.slots``: batched steps then run as one static-shape forward), else
+        its own."""
+        slots = self.target.slots
+        cache = slots.take(self, capacity) if slots is not None else None
+        return cache if cache is not None else self.target.new_cache(capacity, reuse=True)
 
     def draft_prefill(self, seq: "Sequence") -> None:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its

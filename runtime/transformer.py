@@ -28,6 +28,7 @@ from runtime.linear import (
 )
 from runtime.linear import run_rows as run_linear_rows
 from runtime.quant import Int4Weights
+from runtime.slots import SlotCache, slot_parts, slot_step
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -129,6 +130,7 @@ class CausalLM:
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
         self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
         self._static_caches: dict[int, KVCache] = {}  # compiled on CUDA: one cache per capacity (new_cache)
+        self.slots: SlotCache | None = None  # where this wrapper's sequences keep their K/V (runtime.slots), if set
 
     @property
     def invariant(self) -> bool:
@@ -396,13 +398,36 @@ class CausalLM:
             return InvariantRows.contiguous(start, t)
         return InvariantRows.gathered(mask, positions)
 
+    def forward_rows(
+        self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """``tokens`` ``[T]`` written at rows ``slots`` of ``cache`` with RoPE ``positions``, each
+        attending under its row of ``mask`` ``[T, cache.capacity]`` -> logits ``[T, V]``; the
+        cache's length is the caller's (``runtime.slots.slot_step``). Static shapes: compiled where
+        this model's steps are, one graph per ``T``."""
+        if self.invariant or self.windows is not None:
+            raise ValueError("forward_rows needs a model without row-invariant kernels or sliding windows "
+                             "(its explicit masks span every slot of the cache)")
+        args = (tokens, slots, positions, None, mask, cache, None, None, None)
+        if self._compiled_step is not None and self.recorder is None:
+            note_step(step_key(self, tokens, None, None, False, False, None, cache.capacity))
+            return run_step(self._compiled_step, self.device, *args)
+        return self._step(*args)
+
     def forward_batch(self, parts: Sequence[BatchPart]) -> list[torch.Tensor]:
         """One forward over several sequences' new rows (continuous batching) -> logits
         ``[T_i, V]`` per part. Each part appends to its own cache and attends only to it, under its
         own mask (causal, or its tree's ``rel_mask`` with its ``positions``), exactly as
         :meth:`forward` would run it alone; the projections, the MLPs and the head run over all
         parts' rows at once (``runtime.linear.run_rows``: a packed fp32 GEMM in calls of its
-        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole capacity as keys (no plans, no recorder)."""
+        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole capacity as keys (no plans, no recorder).
+
+        A compiled model whose parts' caches are all slots of one ``SlotCache`` runs them as one
+        static-shape forward instead (``runtime.slots.slot_step``: one graph per row bucket)."""
+        slot_cache = slot_parts(parts) if self.is_compiled and not self.invariant and self.windows is None else None
+        if slot_cache is not None:
+            self.rope.ensure(slot_cache.capacity + 1, self.device)
+            return slot_step(self, slot_cache, parts)
         sizes = [int(p.tokens.shape[0]) for p in parts]
         inputs = []
         for p, t in zip(parts, sizes):

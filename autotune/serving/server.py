@@ -119,8 +119,12 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     # decode a dummy prompt with every routed strategy while /health says loading: first-call costs
     # (the prefill's bf16 weight copies, dequantised from the GGUF file; compiled steps under --compile)
     # are paid now, not by the first requests (on the 1.5B at int4 the first request ran 0.11x plain)
+    slot_bytes = worker.use_slots(context)  # serve --compile with batching: batched steps over K/V slots
     log.info("first decodes%s done in %.1f s", " (compiled steps)" if cfg.compile else "",
              worker.warm_up(book.strategies()))
+    if slot_bytes:
+        log.info("%d K/V slots of %.0f MiB; batched steps compiled per row bucket in %.1f s", worker.slots.n_slots,
+                 slot_bytes / 2**20, worker.compile_buckets())
     if max_batch > 1:
         worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)

@@ -43,8 +43,9 @@ from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder, verify_backend
-from runtime.transformer import CausalLM
+from runtime.slots import ROW_BUCKETS, SlotCache, row_bucket
 from runtime.stats import DecodeStats
+from runtime.transformer import BatchPart, CausalLM
 from search_spaces.strategy import PLAIN, Strategy
 
 EXPLICIT_ROUTES = ("plain", "default", "id")  # a client's explicit choice: decoded as asked, never switched
@@ -161,6 +162,9 @@ class DecodeWorker:
         self._in_use: set[int] = set()  # ids of the decoders serving a running request
         self._spare: dict[Strategy, list[Decoder]] = {}  # more decoders per strategy, for batch-mates
         self._batch_target: tuple[int, CausalLM] | None = None  # (verify width, the wrapper batched steps run)
+        # under serve --compile with batching: the K/V slots of the running sequences, so that a batched
+        # step is one static-shape forward (``runtime.slots``; ``use_slots``)
+        self.slots: SlotCache | None = None
         self._stop_seen = False
         self._ended = False  # the stop sentinel is queued
         self._died = False
@@ -390,10 +394,13 @@ class DecodeWorker:
                 dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy),
                                     verify_width=width, standby=standby)
         self._in_use.add(id(dec))
+        dec.target.slots = self.slots
         return dec
 
     def release(self, strategy: Strategy, dec: Decoder) -> None:
         self._in_use.discard(id(dec))
+        if self.slots is not None:
+            self.slots.give_back(dec)
         dec.step_cap = None  # a batch's length for its last request is not the next one's
         dec.apply(strategy)  # its controller may have switched it: the next request starts from its key
         if self.decoders.get(strategy) is not dec:
@@ -412,8 +419,38 @@ class DecodeWorker:
             if (backend != "dense" and lm.backend == "dense" and self.verify_width > 1 and not self.pool.compile
                     and lm.dtype == torch.float32):
                 lm = self.pool.target_for_width(self.target, backend, self.verify_width)
+            if self.pool.compile and not lm.is_compiled:
+                lm.compile_steps()
             self._batch_target = (self.verify_width, lm)
         return self._batch_target[1]
+
+    def use_slots(self, context: int) -> int:
+        """Under ``serve --compile`` with batching: keep every running sequence's K/V in one slot
+        cache (a slot per request, and one for a re-tune decoding alone), so each batched step runs as one
+        compiled forward per row bucket (``runtime.slots``) -> bytes per slot (0: not used)."""
+        lm = self.batch_target()
+        if not (self.pool.compile and self.max_batch > 1 and lm.is_compiled and lm.windows is None):
+            return 0
+        self.slots = SlotCache(lm, self.max_batch + 1, context + 2 * max(self.verify_width, 1) + 2)
+        return self.slots.bytes_per_slot
+
+    def compile_buckets(self) -> float:
+        """Under slots: one batched step at every row bucket a step can reach (the step's row budget,
+        else every sequence at the verify width), so each bucket's graph is built while ``/health``
+        says loading -> seconds spent."""
+        if self.slots is None:
+            return 0.0
+        started = time.perf_counter()
+        lm, holder = self.batch_target(), object()
+        limit = row_bucket(self.max_batch_rows or self.max_batch * max(self.verify_width, 1))
+        for rows in [b for b in ROW_BUCKETS if b <= limit]:
+            cache = self.slots.take(holder, rows)
+            if cache is None:
+                break
+            with torch.inference_mode():
+                lm.forward_batch([BatchPart(torch.zeros(rows, dtype=torch.long, device=lm.device), cache)])
+        self.slots.give_back(holder)
+        return time.perf_counter() - started
 
     def _run(self) -> None:
         try:

@@ -14,6 +14,7 @@ from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.linear import MklPackedLinear, mkl_packing_available, row_way, run_rows
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
+from runtime.slots import ROW_BUCKETS, SlotCache, row_bucket
 from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
@@ -190,3 +191,60 @@ def test_a_draft_models_prompt_catch_up_is_prefill_in_a_batch_too():
     alone_at_first_round = _pending_at_first_round(alone)
     alone.generate(PROMPTS[0], GenerationConfig(max_new_tokens=8))
     assert alone_at_first_round == [1]  # what generate does, which the batch now matches
+
+
+def test_slot_cache_hands_each_holder_one_slot():
+    lm = CausalLM(tiny_model("llama", 0))
+    slots = SlotCache(lm, 2, 32, scratch=8)
+    a, b = object(), object()
+    va = slots.take(a, 20)
+    assert va is not None and va.capacity == 32 and va.offset == 0
+    assert slots.take(a, 20).offset == 0  # its own slot again, emptied
+    assert slots.take(b, 33) is None  # does not fit a slot
+    assert slots.take(b, 32).offset == 32 and slots.free == 0
+    assert slots.take(object(), 8) is None  # none free
+    slots.give_back(a)
+    assert slots.free == 1
+    d = lm.dims
+    assert slots.bytes_per_slot == 2 * 4 * d.n_layers * d.n_kv_heads * d.head_dim * 32
+    assert [row_bucket(r) for r in (1, 3, 16, 17, 128, 129)] == [1, 4, 16, 32, 128, 256]
+
+
+def test_compiled_slot_steps_decode_each_sequence_as_alone(monkeypatch):
+    """A compiled target (``fullgraph=True``: a graph break is an error) whose sequences keep their
+    K/V in one ``SlotCache`` runs each batched step as one static-shape forward over the slots:
+    plain, a chain and lookup decoded together equal their compiled solo decodes, no graph broke,
+    and the batched steps ran at padded row buckets only."""
+    from torch._dynamo.utils import counters
+
+    import runtime.transformer as transformer
+
+    builders = _decoders()
+    names = ["plain", "chain", "lookup"]
+    configs = [GenerationConfig(max_new_tokens=16) for _ in names]
+
+    def compiled(name: str) -> Decoder:
+        dec = builders[name]()
+        dec.target.compile_steps()
+        return dec
+
+    alone = [compiled(n).generate(p, c) for n, p, c in zip(names, PROMPTS, configs)]
+    decoders = [compiled(n) for n in names]
+    slots = SlotCache(decoders[0].target, len(names), 64)
+    for dec in decoders:
+        dec.target.slots = slots
+    buckets = []
+    real = transformer.slot_step
+
+    def spy(lm, cache, parts):
+        buckets.append(row_bucket(sum(int(p.tokens.shape[0]) for p in parts)))
+        return real(lm, cache, parts)
+
+    monkeypatch.setattr(transformer, "slot_step", spy)
+    counters.clear()
+    together = generate_batch(decoders[0].target, [BatchRequest(d, p, c) for d, p, c in zip(decoders, PROMPTS, configs)])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert buckets and set(buckets) <= set(ROW_BUCKETS), buckets
+    for name, a, b in zip(names, alone, together):
+        assert b.tokens == a.tokens, name
+    assert sum(r.stats.drafted for r in together) > 0
