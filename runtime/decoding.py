@@ -126,6 +126,7 @@ class Decoder:
         self.pads = True
         self.last_rows = 0  # target rows of the last round's verify pass (1 + drafted; padding not counted)
         self.step_cap: int | None = None  # drafts at most this many tokens next round (None: its strategy's length)
+        self.step_width: int | None = None  # a tree drafts at most this many children per node next round
 
     def drafter_of(self, kind: str) -> Drafter | None:
         """The drafter of this kind, drafting or on standby (None when the decoder has none)."""
@@ -259,6 +260,8 @@ class Decoder:
             k = min(k, self.step_cap)
         if self.drafter is None:
             return _no_draft()
+        if hasattr(self.drafter, "width_cap"):  # a batch under load drafts narrower trees
+            self.drafter.width_cap = self.step_width
         steps = getattr(self.drafter, "propose_steps", None)
         if steps is None:
             return self.drafter.propose(k, config.sampling, gen)

@@ -3,7 +3,7 @@ the contract they implement (``Draft``, ``Drafter``) is ``runtime.draft``."""
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import torch
@@ -45,6 +45,14 @@ class TreeShape:
 
     def max_nodes(self) -> int:
         return tree_node_bound(self.widths, self.dynamic)
+
+    def narrowed(self, width: int | None) -> "TreeShape":
+        """This shape with at most ``width`` children per node (a batch under load drafts narrower
+        trees, ``autotune.tuning.load``); ``None``: itself."""
+        if width is None or max(self.widths, default=1) <= width:
+            return self
+        dynamic = None if self.dynamic is None else tuple((p, min(k, width)) for p, k in self.dynamic)
+        return replace(self, widths=tuple(min(w, width) for w in self.widths), dynamic=dynamic)
 
     @property
     def is_chain(self) -> bool:
@@ -100,6 +108,7 @@ class ModelDrafter:
         self.copied_kept = 0  # copied tokens a chain's check kept: draft forwards saved
         self.target_vocab = target_vocab
         self.shape = shape
+        self.width_cap: int | None = None  # children per node this round at most (None: the shape's)
         self.plan = None if plan is None or plan.is_identity else plan
         self.calibrate = calibrate and self.plan is not None
         self.cache = model.new_cache(1)  # a placeholder (a self-drafter's model is the target: never its live cache)
@@ -193,6 +202,13 @@ class ModelDrafter:
         self.round = _Round()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
+        full, self.shape = self.shape, (self.shape.narrowed(self.width_cap) if self.shape else None)
+        try:
+            return (yield from self._propose_shaped(k, params, generator))
+        finally:
+            self.shape = full
+
+    def _propose_shaped(self, k: int, params: SamplingParams, generator: torch.Generator) -> DraftSteps:
         copy: list[int] = []
         if self.lookup_first:
             copied = self.lookup.propose(k, params, generator)

@@ -38,7 +38,7 @@ from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, strategy_rows
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_shapes, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.errors import RuntimeUserError
@@ -401,7 +401,7 @@ class DecodeWorker:
         self._in_use.discard(id(dec))
         if self.slots is not None:
             self.slots.give_back(dec)
-        dec.step_cap = None  # a batch's length for its last request is not the next one's
+        dec.step_cap = dec.step_width = None  # a batch's draft for its last request is not the next one's
         dec.apply(strategy)  # its controller may have switched it: the next request starts from its key
         if self.decoders.get(strategy) is not dec:
             spare = self._spare.setdefault(strategy, [])
@@ -577,11 +577,13 @@ class DecodeWorker:
                 r.control = None
 
     def _choose_lengths(self, batch: list[Running]) -> None:
-        """Each speculative request's draft length this step (``autotune.tuning.load``): its
-        strategy's when it decodes alone, the goodput-maximising one in a batch."""
+        """Each speculative request's draft length and tree width this step
+        (``autotune.tuning.load``): its strategy's when it decodes alone, the goodput-maximising
+        ones in a batch."""
         if len(batch) == 1 or not self.load_aware:
             for r in batch:
                 r.member.decoder.step_cap = _fit_rows(r.current, self.max_batch_rows)
+                r.member.decoder.step_width = None
             return
         candidates = []
         for r in batch:
@@ -592,9 +594,10 @@ class DecodeWorker:
             if per_token is None:
                 per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
             candidates.append(Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
-                                        s.draft_length if s.speculates else 0, per_token, strategy_rows(s)))
-        for r, k in zip(batch, choose_lengths(candidates, self.step_cost, self.max_batch_rows)):
-            r.member.decoder.step_cap = k
+                                        s.draft_length if s.speculates else 0, per_token, strategy_rows(s),
+                                        tuple(s.tree_widths or ()) if s.speculates else ()))
+        for r, shape in zip(batch, choose_shapes(candidates, self.step_cost, self.max_batch_rows)):
+            r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,

@@ -26,13 +26,56 @@ DEFAULT_ACCEPTANCE = 0.6  # a sequence of a route that stored no acceptance
 
 
 @dataclass(frozen=True)
+class Shape:
+    """A draft a sequence may run this step: ``length`` depths, at most ``width`` children per node
+    (None: its strategy's tree as it is), its target ``rows`` and the tokens a round is expected to
+    append."""
+
+    length: int
+    width: int | None
+    rows: int
+    tokens: float
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """One sequence's choice this step: up to ``max_length`` draft tokens."""
+    """One sequence's choice this step: up to ``max_length`` draft tokens; a tree (``widths``) may
+    also draft narrower, down to a chain."""
 
     acceptance: float  # per-token acceptance estimate (0..1)
     max_length: int  # its strategy's draft length (0: plain decoding)
     draft_token_s: float  # seconds to draft one token (0 for prompt lookup)
-    rows: Callable[[int], int] = lambda k: 1 + k  # target rows of a draft of length k (a tree has more)
+    rows: Callable[[int], int] = lambda k: 1 + k  # target rows of a chain of length k
+    widths: tuple[int, ...] = ()  # a tree's children per node by depth (empty: a chain)
+
+    def shapes(self) -> list[Shape]:
+        """Every draft this candidate may run, the ones no other beats on rows and tokens both,
+        by rows: a chain's lengths; a tree's lengths at every width cap."""
+        if not self.widths or max(self.widths) <= 1:
+            options = [Shape(k, None, self.rows(k), expected_tokens(self.acceptance, k)) for k in range(self.max_length + 1)]
+        else:
+            top = max(self.widths)
+            options = [Shape(k, None if cap == top else cap, *_tree(self.acceptance, [min(w, cap) for w in self.widths[:k]]))
+                       for k in range(min(self.max_length, len(self.widths)) + 1) for cap in range(1, top + 1)]
+        frontier: list[Shape] = []
+        for s in sorted(options, key=lambda s: (s.rows, -s.tokens)):
+            if not frontier or s.tokens > frontier[-1].tokens + 1e-12:
+                frontier.append(s)
+        return frontier
+
+
+def _tree(acceptance: float, widths: Sequence[int]) -> tuple[int, float]:
+    """(target rows, expected tokens a round appends) of a tree with ``widths`` children per node by
+    depth: a depth is accepted when one of its ``w`` candidates is the target's token, taken as
+    ``1 - (1 - a)^w`` (a chain, ``w = 1``: Leviathan's ``(1 - a^(k+1)) / (1 - a)``)."""
+    a = min(max(acceptance, 0.0), 0.999)
+    rows, level, tokens, reach = 1, 1, 1.0, 1.0
+    for w in widths:
+        level *= w
+        rows += level
+        reach *= 1 - (1 - a) ** w
+        tokens += reach
+    return rows, tokens
 
 
 def strategy_rows(strategy: Strategy) -> Callable[[int], int]:
@@ -93,36 +136,40 @@ class StepCost:
             self.coef[0] = float(y.min())
 
 
-def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:
-    """Each candidate's draft length this step, maximising expected tokens per second over the
-    batch: lengths grow one token at a time, the most profitable first, while the goodput rises
-    and the step's rows stay within ``max_rows``."""
-    lengths = [0] * len(candidates)
-    room = None if max_rows is None else max_rows - len(candidates)  # draft rows left beyond one per sequence
+def choose_shapes(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[Shape]:
+    """Each candidate's draft this step, maximising expected tokens per second over the batch:
+    drafts grow one option at a time (a token longer, or a tree a child wider), the most profitable
+    first, while the goodput rises and the step's rows stay within ``max_rows``."""
+    options = [c.shapes() for c in candidates]
+    at = [0] * len(candidates)  # every candidate starts at no draft (1 row, 1 token)
 
-    def goodput(ks: list[int]) -> float:
-        rows = sum(c.rows(k) for c, k in zip(candidates, ks))
-        seconds = cost.predict(rows, len(ks)) + sum(c.draft_token_s * k for c, k in zip(candidates, ks))
-        tokens = sum(expected_tokens(c.acceptance, k) for c, k in zip(candidates, ks))
-        return tokens / max(seconds, 1e-9)
+    def goodput(idx: list[int]) -> float:
+        chosen = [o[i] for o, i in zip(options, idx)]
+        seconds = cost.predict(sum(s.rows for s in chosen), len(idx))
+        seconds += sum(c.draft_token_s * s.length for c, s in zip(candidates, chosen))
+        return sum(s.tokens for s in chosen) / max(seconds, 1e-9)
 
-    best = goodput(lengths)
+    best = goodput(at)
     while True:
+        rows = sum(o[i].rows for o, i in zip(options, at))
         gains = []
-        for i, c in enumerate(candidates):
-            if lengths[i] < c.max_length:
-                trial = lengths.copy()
-                trial[i] += 1
-                extra = c.rows(trial[i]) - c.rows(lengths[i])
-                if room is not None and sum(c.rows(k) - 1 for c, k in zip(candidates, lengths)) + extra > room:
-                    continue
-                gains.append((goodput(trial), i))
+        for j, o in enumerate(options):
+            if at[j] + 1 < len(o) and (max_rows is None or rows + o[at[j] + 1].rows - o[at[j]].rows <= max_rows):
+                trial = at.copy()
+                trial[j] += 1
+                gains.append((goodput(trial), j))
         if not gains:
-            return lengths
-        value, i = max(gains)
+            break
+        value, j = max(gains)
         if value <= best:
-            return lengths
-        best, lengths[i] = value, lengths[i] + 1
+            break
+        best, at[j] = value, at[j] + 1
+    return [o[i] for o, i in zip(options, at)]
+
+
+def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:
+    """Each candidate's draft length this step (:func:`choose_shapes`)."""
+    return [s.length for s in choose_shapes(candidates, cost, max_rows)]
 
 
 SCHEDULE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a vLLM schedule is derived at

@@ -75,3 +75,23 @@ def test_batch_schedule_is_vllm_ranges_that_shrink_with_the_batch():
     ks = list(schedule.values())
     assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] and ks[0] <= 8
     assert len(set(ks)) == len(ks)  # equal neighbours merged
+
+
+def test_a_tree_narrows_before_it_shortens_as_the_batch_grows():
+    """A (3, 2, 1) tree's options include every narrower tree down to a chain; alone it keeps its
+    whole tree where rows are nearly free, and a batch of 16 drafts narrower (fewer rows per depth)
+    before it stops drafting."""
+    from autotune.tuning.load import choose_shapes
+
+    tree = Candidate(acceptance=0.6, max_length=3, draft_token_s=0.001, widths=(3, 2, 1))
+    shapes = tree.shapes()
+    assert [s.rows for s in shapes] == sorted(s.rows for s in shapes)
+    assert all(b.tokens > a.tokens for a, b in zip(shapes, shapes[1:]))  # each option buys tokens
+    chain3 = next(s for s in shapes if s.length == 3 and s.width == 1)
+    assert chain3.rows == 4 and chain3.tokens == pytest.approx(expected_tokens(0.6, 3))
+    assert shapes[-1].width is None and shapes[-1].rows == 1 + 3 + 6 + 6
+    flat = StepCost([(r, s, 0.1 + 0.0001 * r) for r in (1, 8, 64) for s in (1, 4, 16) if s <= r])
+    assert choose_shapes([tree], flat)[0].width is None  # rows nearly free: the whole tree
+    busy = choose_shapes([tree] * 16, _cpu_like())
+    assert all(s.width is not None for s in busy)  # 3 ms a row: every tree is narrower
+    assert any(s.length > 0 for s in busy)  # but the batch still drafts

@@ -248,3 +248,20 @@ def test_compiled_slot_steps_decode_each_sequence_as_alone(monkeypatch):
     for name, a, b in zip(names, alone, together):
         assert b.tokens == a.tokens, name
     assert sum(r.stats.drafted for r in together) > 0
+
+
+def test_a_narrowed_tree_drafts_fewer_rows_and_stays_lossless():
+    """``Decoder.step_width`` (a batch under load): a (3, 2, 1) tree drafts at most one child per
+    node while it is set, and the output still equals plain decoding; the full tree comes back
+    once it is cleared."""
+    build = _decoders()["tree-3-2-1"]
+    cfg = GenerationConfig(max_new_tokens=24)
+    want = Decoder(build().target).generate(PROMPTS[0], cfg).tokens
+    narrow = build()
+    narrow.step_width = 1
+    got = narrow.generate(PROMPTS[0], cfg)
+    assert got.tokens == want and got.stats.drafted > 0
+    assert max(r for r, n in enumerate(got.stats.verify_rows) if n) <= 4  # a chain of 3 and its root
+    narrow.step_width = None
+    full = narrow.generate(PROMPTS[0], cfg)
+    assert full.tokens == want and max(r for r, n in enumerate(full.stats.verify_rows) if n) > 4

@@ -1,0 +1,41 @@
+"""``serve --compile`` with batching: the decode worker keeps each running sequence's K/V in a slot
+of one cache and compiles a batched step per row bucket before serving (tiny random model)."""
+from __future__ import annotations
+
+import torch
+
+from autotune.serving.worker import DecodeWorker
+from runtime.compiled import NEW_STEPS
+from runtime.decoding import GenerationConfig
+from runtime.loading import LoadedModel
+from runtime.pipeline import ModelPool
+from runtime.slots import SlotView
+from runtime.testing import tiny_model
+from search_spaces.strategy import PLAIN
+
+
+def _worker(compile: bool, max_batch: int = 4) -> DecodeWorker:
+    target = LoadedModel("tiny", "tiny", "0", tiny_model("llama", 3, layers=2), None)
+    return DecodeWorker(ModelPool(compile=compile), target, None, max_queue=4, max_batch=max_batch, max_batch_rows=16)
+
+
+def test_a_compiled_worker_keeps_sequences_in_slots_and_compiles_each_row_bucket():
+    worker = _worker(compile=True)
+    per_slot = worker.use_slots(64)
+    assert per_slot > 0 and worker.slots.n_slots == 5  # a slot per running request, one for a re-tune
+    before = NEW_STEPS[0]
+    assert worker.compile_buckets() > 0
+    assert NEW_STEPS[0] - before == 5  # row buckets 1, 2, 4, 8, 16: one graph each
+    assert worker.slots.free == worker.slots.n_slots  # the warm-up's slot was given back
+    dec = worker.acquire(PLAIN)
+    assert dec.target.slots is worker.slots
+    with torch.inference_mode():
+        seq = dec.start([5, 6, 7], GenerationConfig(max_new_tokens=8))
+    assert isinstance(seq.cache, SlotView) and worker.slots.free == worker.slots.n_slots - 1
+    worker.release(PLAIN, dec)
+    assert worker.slots.free == worker.slots.n_slots
+
+
+def test_an_eager_or_unbatched_worker_keeps_its_own_caches():
+    assert _worker(compile=False).use_slots(64) == 0
+    assert _worker(compile=True, max_batch=1).use_slots(64) == 0
