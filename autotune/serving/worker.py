@@ -570,7 +570,8 @@ class DecodeWorker:
                 continue
             seq = r.member.seq
             try:
-                r.control.before_round(r.member.decoder, seq.prompt + seq.out, seq.cache, seq.stats, alone=alone)
+                r.control.before_round(r.member.decoder, seq.prompt + seq.out, seq.cache, seq.stats, alone=alone,
+                                       batch=len(batch))
             except Exception:  # its strategy stays what it was; the request goes on, uncontrolled
                 log.exception("a request's controller failed; it keeps decoding with %s", r.current.to_json())
                 r.member.decoder.apply(r.current)

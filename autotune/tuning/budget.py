@@ -23,11 +23,12 @@ class Budget:
     accrued_at: float | None = None  # when it last accrued
     paused_at: float | None = None  # end of the last prompt: time between prompts does not accrue
 
-    def accrue(self, now: float, stable: int = 0) -> None:
+    def accrue(self, now: float, stable: int = 0, sharers: int = 1) -> None:
         """Tuning may use ``max_share`` of the time that passes, divided by 1 + ``stable`` (the
-        windows in a row the incumbent has led: re-scoring less once stable)."""
+        windows in a row the incumbent has led: re-scoring less once stable) and by ``sharers``
+        (the requests of a batch share one decode thread: together they keep to ``max_share``)."""
         if self.accrued_at is not None:
-            self.allowance += self.max_share / (1 + stable) * (now - self.accrued_at)
+            self.allowance += self.max_share / (1 + stable) / max(sharers, 1) * (now - self.accrued_at)
         self.accrued_at = now
 
     def covers(self, seconds: float) -> bool:

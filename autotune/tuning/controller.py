@@ -238,12 +238,14 @@ class RequestController:
 
     # ------------------------------------------------------------------ the round hook
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats,
-                     alone: bool = True) -> None:
+                     alone: bool = True, batch: int = 1) -> None:
         """Before a round: account the round just decoded, and at each window decide (maybe
         switching ``decoder`` to another strategy). ``alone``: the coming round decodes alone (a
-        batch's rounds share their time, so they are not measured against a solo plain step)."""
+        batch's rounds share their time, so they are not measured against a solo plain step);
+        ``batch``: the requests sharing the decode thread, whose controllers share one scoring
+        budget, so a batch spends no more on scoring than one request does."""
         now = self.clock()
-        self.budget.accrue(now)
+        self.budget.accrue(now, sharers=batch)
         self._account(tokens, stats)
         self._alone = alone
         generated = len(tokens) - self.prompt_len

@@ -205,6 +205,19 @@ def test_scoring_a_drafting_model_stays_within_its_share(hf_target):
     assert 1 <= limited < unlimited
 
 
+def test_a_batchs_controllers_share_one_budget():
+    """Requests decoded side by side share the decode thread: each one's scoring allowance accrues
+    at its share of ``max_share`` (four in a batch: a quarter each), so together they keep to it."""
+    from autotune.tuning.budget import Budget
+
+    alone, shared = Budget(0.02, lambda: 0.0), Budget(0.02, lambda: 0.0)
+    for b in (alone, shared):
+        b.accrue(0.0)
+    alone.accrue(10.0)
+    shared.accrue(10.0, sharers=4)
+    assert alone.allowance == pytest.approx(0.2) and shared.allowance == pytest.approx(0.05)
+
+
 def test_a_later_requests_first_score_waits_for_its_budget(hf_target):
     """What scoring the draft model cost is shared: the first request scores it at once (nothing
     is known), the next one only once its own decode time has paid for it."""
