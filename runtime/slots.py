@@ -17,15 +17,15 @@ eager CPU path keeps ragged steps (``CausalLM.forward_batch``) and uses slots on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from runtime.attention import attend_mask
 from runtime.kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from runtime.transformer import BatchPart, CausalLM
+# ``lm`` below is a ``runtime.transformer.CausalLM`` and a part a ``BatchPart`` (that module imports
+# this one, so their types are not imported here)
 
 # a batched step's rows are padded up to one of these (then to multiples of the last)
 ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -56,7 +56,7 @@ class SlotCache:
     batched step's padding writes. A slot belongs to one holder (a decoder: it decodes one sequence
     at a time) from ``take`` to ``give_back``."""
 
-    def __init__(self, lm: "CausalLM", n_slots: int, capacity: int, scratch: int | None = None) -> None:
+    def __init__(self, lm: Any, n_slots: int, capacity: int, scratch: int | None = None) -> None:
         if n_slots < 1 or capacity < 1:
             raise ValueError(f"a slot cache needs slots and rows, got {n_slots} x {capacity}")
         d = lm.dims
@@ -97,7 +97,7 @@ class SlotCache:
         self._held.pop(id(holder), None)
 
 
-def slot_parts(parts: Sequence["BatchPart"]) -> SlotCache | None:
+def slot_parts(parts: Sequence[Any]) -> SlotCache | None:
     """The slot cache every part's cache is a slot of (None: not all of one)."""
     owners = {id(p.cache.owner) if isinstance(p.cache, SlotView) else None for p in parts}
     if len(owners) != 1 or None in owners:
@@ -105,7 +105,7 @@ def slot_parts(parts: Sequence["BatchPart"]) -> SlotCache | None:
     return parts[0].cache.owner  # type: ignore[union-attr]
 
 
-def slot_step(lm: "CausalLM", slots: SlotCache, parts: Sequence["BatchPart"]) -> list[torch.Tensor]:
+def slot_step(lm: Any, slots: SlotCache, parts: Sequence[Any]) -> list[torch.Tensor]:
     """One forward over every part's new rows, each part's cache a slot of ``slots`` -> logits per
     part (its ``logits_for`` rows). The rows are padded to ``row_bucket``; the forward is
     ``lm.forward_rows`` (compiled where ``lm`` is): one graph per bucket."""
