@@ -196,7 +196,8 @@ class Decoder:
         inflated a draft model's draft time per token (a GSM8K bench of the 0.5B draft chain: 2613
         ms per 100 tokens before, 2313 after). Runs after the first token is out (streaming's time to first token is the
         target's prefill). Drafters on standby catch up when they are next used. Every way a
-        sequence is decoded calls it after ``start`` (``generate``, a batch, the server's worker):
+        sequence is decoded calls it after ``start`` (``generate``, a batch; the server's worker
+        before the first step the request drafts in, which a loaded batch may never give it):
         a catch-up left to the first round made a request's controller measure its draft chain
         slower than plain over its first window. Nothing to do once the sequence is finished."""
         sync = getattr(self.drafter, "sync", None)

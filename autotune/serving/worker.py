@@ -116,6 +116,7 @@ class Running:
     member: Member
     strategy: Strategy  # the one it started with (its decoder's key)
     control: RequestController | None = None  # drives its strategy between rounds (routed requests)
+    drafter_synced: bool = False  # its drafting model has run over the prompt (``_sync_drafters``)
 
     @property
     def current(self) -> Strategy:
@@ -527,8 +528,6 @@ class DecodeWorker:
             self._solo = None
             if self._after_round(job, seq.out):
                 self._leave(running)
-            else:  # the drafting model's catch-up over the prompt, after the first token is out
-                dec.draft_prefill(seq)
         except ApiError as exc:
             self._fail(job, running, exc)
         except Exception:  # a bug must not kill the worker: report it to this request only
@@ -542,6 +541,7 @@ class DecodeWorker:
         batch = list(self._batch)
         self._control(batch)
         self._choose_lengths(batch)
+        self._sync_drafters(batch)
         drafting = sum(r.member.seq.stats.draft_s for r in batch)
         started = time.perf_counter()
         try:
@@ -599,6 +599,16 @@ class DecodeWorker:
                                         tuple(s.tree_widths or ()) if s.speculates else ()))
         for r, shape in zip(batch, choose_shapes(candidates, self.step_cost, self.max_batch_rows)):
             r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
+
+    @staticmethod
+    def _sync_drafters(batch: list[Running]) -> None:
+        """Before the first step a request drafts in, its drafting model runs over the prompt
+        (``Decoder.draft_prefill``, timed as prefill), not at admission: a request that a loaded
+        batch never lets draft never pays for it, and the next request's prefill waits less."""
+        for r in batch:
+            if not r.drafter_synced and r.member.decoder.step_cap != 0:
+                r.member.decoder.draft_prefill(r.member.seq)
+                r.drafter_synced = True
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,

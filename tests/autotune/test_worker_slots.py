@@ -39,3 +39,26 @@ def test_a_compiled_worker_keeps_sequences_in_slots_and_compiles_each_row_bucket
 def test_an_eager_or_unbatched_worker_keeps_its_own_caches():
     assert _worker(compile=False).use_slots(64) == 0
     assert _worker(compile=True, max_batch=1).use_slots(64) == 0
+
+
+def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts():
+    """The draft model's prompt catch-up waits for the first step the load-aware choice lets the
+    request draft in (a loaded batch that never does never pays for it), and runs once."""
+    from autotune.serving.worker import Running
+    from runtime.batching import Member
+
+    calls = []
+
+    class Recording:  # the decoder's side the worker drives here: its step cap and its draft prefill
+        step_cap = 0
+
+        def draft_prefill(self, seq):
+            calls.append(seq)
+
+    r = Running(job=None, member=Member(Recording(), "seq"), strategy=PLAIN)
+    DecodeWorker._sync_drafters([r])
+    assert calls == [] and not r.drafter_synced
+    r.member.decoder.step_cap = 3
+    DecodeWorker._sync_drafters([r])
+    DecodeWorker._sync_drafters([r])
+    assert calls == ["seq"] and r.drafter_synced
