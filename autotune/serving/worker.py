@@ -563,10 +563,13 @@ class DecodeWorker:
                 self._leave(r)
 
     def _control(self, batch: list[Running]) -> None:
-        """Each controlled request's controller, before the step's round (it may switch strategy)."""
+        """Each controlled request's controller, before the step's round (it may switch strategy).
+        A request that the load-aware choice kept from drafting in the last step of a batch skips
+        it: its decisions choose among drafts it is not running (it decides once load lets it
+        draft again)."""
         alone = len(batch) == 1
         for r in batch:
-            if r.control is None:
+            if r.control is None or (not alone and r.member.decoder.step_cap == 0):
                 continue
             seq = r.member.seq
             try:
