@@ -43,7 +43,7 @@ def row_bucket(rows: int) -> int:
 class SlotView(KVCache):
     """One sequence's cache: rows ``[offset, offset + capacity)`` of a ``SlotCache``."""
 
-    def __init__(self, owner: "SlotCache", offset: int, capacity: int) -> None:  # noqa: D107
+    def __init__(self, owner: "SlotCache", offset: int, capacity: int) -> None:
         whole = owner.whole
         self.all_keys = whole.all_keys[:, :, offset : offset + capacity]
         self.all_values = whole.all_values[:, :, offset : offset + capacity]
@@ -68,7 +68,6 @@ class SlotCache:
             torch._dynamo.mark_static_address(self.whole.all_keys, guard=False)
             torch._dynamo.mark_static_address(self.whole.all_values, guard=False)
         self._held: dict[int, int] = {}  # holder id -> slot index
-        self.lm = lm
 
     @property
     def bytes_per_slot(self) -> int:

@@ -541,10 +541,10 @@ class DecodeWorker:
         batch = list(self._batch)
         self._control(batch)
         self._choose_lengths(batch)
-        self._sync_drafters(batch)
         drafting = sum(r.member.seq.stats.draft_s for r in batch)
-        started = time.perf_counter()
         try:
+            self._sync_drafters(batch)  # timed as the requests' prefill, not the step's
+            started = time.perf_counter()
             _user_errors(batch_round, self.batch_target(), [r.member for r in batch])
         except Exception as exc:  # which request's round failed is unknown: the step's requests fail
             if not isinstance(exc, ApiError):
