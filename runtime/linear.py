@@ -73,12 +73,11 @@ class OneDnnLinear:
 
     oneDNN computes a row bit-identically whatever the call's row count and the row's batch-mates
     from two rows on; one row alone takes another path (a different last ulp), so it runs as two
-    (the copy costs ~3%). Every width therefore computes a row as any other does, like the
+    (one 8960x1536 GEMM: 0.86 -> 1.02 ms; ``python tools/batch_steps.py --kernels``). Every width therefore computes a row as any other does, like the
     quantised kernels (``ROW_INVARIANT_BACKENDS``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +86,8 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
-# the row count oneDNN's weight layout is chosen for: results do not depend on it (checked at 1, 2,
-# 16 and 128); 16 was as fast as any from 1 to 512 rows on the 1.5B's shapes
+# the row count oneDNN's weight layout is chosen for (a batched step's usual rows): results do not
+# depend on it (the same 512 rows at hints 1, 2, 16 and 128; ``tools/batch_steps.py --kernels``)
 ONEDNN_ROWS_HINT = 16
 
 
@@ -96,9 +95,10 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-# which backend a float32 model runs on the CPU (``runtime.pipeline.ModelPool.served``): ``onednn``
-# where available (row-invariant, and 2-2.5x ``dense`` on an AMD EPYC: one row of the 1.5B's layer
-# projections 126 vs 242 ms, 16 rows 170 vs 485, 512 rows 28 vs 74 ms per 8960x1536 GEMM); ``dense``
+# which backend a float32 model runs on the CPU (``runtime.precision.Precision.backend_on``): ``onednn``
+# where available (row-invariant, and on an AMD EPYC a 8960x1536 GEMM at 1 / 16 / 512 rows took 1.02 /
+# 1.51 / 28.8 ms against ``dense``'s 2.49 / 6.05 / 70.6, ``tools/batch_steps.py --kernels``; the 1.5B's
+# step 155 vs 283 ms at 1 row, 271 vs 673 at 16, ``tools/batch_steps.py``); ``dense``
 # is Hugging Face's own arithmetic (MKL), bit-identical to its float32 forward. The environment
 # variable pins either.
 FLOAT32_CPU_BACKEND = "onednn"

@@ -11,7 +11,7 @@ from runtime.draft import Drafter
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
-from runtime.linear import float32_cpu_backend, mkl_packing_available
+from runtime.linear import mkl_packing_available
 from runtime.loading import (
     LoadedModel, as_precision, at_precision, check_vocab_compatible, load_model, prepare_backend, random_model,
 )
@@ -82,7 +82,7 @@ class ModelPool:
         """A wrapper of ``target`` running its precision's linear backend at every width (the
         quantised weights made once and shared; float32 on the CPU: ``float32_cpu_backend``, oneDNN's
         row-invariant GEMMs unless pinned to dense; other float precisions: a fresh dense wrapper)."""
-        backend = served_backend(target, self.device, self.compile)
+        backend = PRECISIONS[target.precision].backend_on(self.device, self.compile)
         if backend == "dense":
             return CausalLM(target.hf_model)
         if self.compile:
@@ -91,15 +91,6 @@ class ModelPool:
                 "use --precision float32 or bfloat16 with --compile"
             )
         return self.target_for_width(target, backend, 1)
-
-
-def served_backend(model: LoadedModel, device: str, compiled: bool = False) -> str:
-    """The linear backend ``model`` runs at every width as a target: its precision's, and for
-    float32 on the CPU, uncompiled, ``runtime.linear.float32_cpu_backend`` (oneDNN unless pinned)."""
-    backend = PRECISIONS[model.precision].backend
-    if backend == "dense" and not compiled and model.dtype == torch.float32 and torch.device(device).type == "cpu":
-        return float32_cpu_backend()
-    return backend
 
 
 DrafterFactory = Callable[[ModelPool, LoadedModel, "str | None", Strategy, CausalLM], "Drafter | None"]

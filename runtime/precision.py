@@ -19,6 +19,7 @@ import torch
 
 from runtime.auto_precision import cpu_auto_precision
 from runtime.errors import RuntimeUserError
+from runtime.linear import float32_cpu_backend
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class Precision:
     @property
     def quantised(self) -> bool:
         return self.backend != "dense"
+
+    def backend_on(self, device: str | torch.device, compiled: bool = False) -> str:
+        """The linear backend a target at this precision runs at every width on ``device``: its
+        own, except float32 on the CPU uncompiled, which runs ``runtime.linear.float32_cpu_backend``
+        (oneDNN's row-invariant GEMMs unless ``AUTOTUNE_FLOAT32_KERNEL`` pins dense)."""
+        if self.backend == "dense" and self.load_dtype == torch.float32 and not compiled \
+                and torch.device(device).type == "cpu":
+            return float32_cpu_backend()
+        return self.backend
 
 
 PRECISIONS: dict[str, Precision] = {

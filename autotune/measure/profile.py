@@ -26,7 +26,7 @@ from torch.utils.benchmark import Timer
 from autotune.errors import CliError
 from runtime.kv_cache import KVCache
 from runtime.loading import LoadedModel, prepare_backend
-from runtime.pipeline import ModelPool, served_backend, verify_backend
+from runtime.pipeline import ModelPool, verify_backend
 from runtime.precision import PRECISIONS, get_precision
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan
@@ -119,10 +119,11 @@ def _timed(
 
 def served_lm(model: LoadedModel, draft: bool = False, compiled: bool = False) -> CausalLM:
     """``model`` as a plain step runs it: its precision's linear backend (float32 on the CPU:
-    oneDNN's, ``runtime.pipeline.served_backend``; other float ones dense);
+    oneDNN's, ``Precision.backend_on``; other float ones dense);
     ``draft``: as a draft model drafts (its draft head, ``runtime.pipeline.ModelPool.draft_wrapper``)."""
     lm = CausalLM(model.hf_model)
-    backend = PRECISIONS[model.precision].backend if draft else served_backend(model, str(lm.device), compiled)
+    precision = PRECISIONS[model.precision]
+    backend = precision.backend if draft else precision.backend_on(lm.device, compiled)
     if backend != "dense":
         prepare_backend(model, backend)
         lm.use_linear_backend(backend, draft=draft)
@@ -133,7 +134,7 @@ def verify_lm(target: LoadedModel, width: int, compiled: bool = False, served: C
     """The target as a decoder verifying ``width`` rows runs it (``runtime.pipeline.build_decoder``):
     a quantised precision's (or oneDNN's float32) one kernel family at every width; float32 weights packed for the width on
     CPU (unless compiled); the model's own weights elsewhere."""
-    if served_backend(target, str(target.hf_model.device), compiled) != "dense":  # one kernel family, every width
+    if PRECISIONS[target.precision].backend_on(target.hf_model.device, compiled) != "dense":  # one kernel family, every width
         return served if served is not None else served_lm(target, compiled=compiled)
     lm = CausalLM(target.hf_model)
     backend = verify_backend(str(lm.device))
