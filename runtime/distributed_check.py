@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -117,4 +118,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter finalisation: the check is complete (report written, barrier passed,
+    # process group destroyed), and tearing down torch's C++ state at exit can abort a gloo rank with
+    # "terminate called without an active exception" (worker threads still holding work objects while
+    # the interpreter finalises; pytorch/pytorch#190489, #179291). CI saw both ranks abort there once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -126,7 +126,8 @@ def test_torchrun_two_ranks_match_batched(tmp_path):
          "--n-new", "8"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = "report written" if out.exists() else "no report written"
+    assert proc.returncode == 0, f"{written}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["world_size"] == 2
     assert report["backend"] == "gloo"
