@@ -1,8 +1,8 @@
 """Continuous batching: several sequences, each with its own decoder (strategy, drafter state), KV
 cache and random source, advance together by one round per step.
 
-A step drafts for every sequence with its own drafter (the draft-model forwards of sequences that
-share a draft model run as one batched forward per depth: ``draft_together``), then verifies every sequence's rows (1 for
+A step drafts for every sequence with its own drafter (the draft forwards of sequences that share
+a model and a layer plan run as one batched forward per depth: ``draft_together``), then verifies every sequence's rows (1 for
 plain decoding, ``1 + N`` for a chain, a tree or a lookup copy) in **one** target forward
 (``CausalLM.forward_batch``: ragged rows, a mask per sequence), then accepts per sequence with the
 single-sequence rules and that sequence's generator, reading every result back in one ``tolist``.
@@ -32,8 +32,10 @@ class Member:
 
 def draft_together(all_steps: list[DraftSteps]) -> list[Draft]:
     """Run several drafters' steps in lockstep -> their drafts. Each time every drafter still
-    drafting has asked for its next forward, the forwards over one draft model's weights (the
-    same shared projections, no layer plan) run as one batched forward; the others one by one."""
+    drafting has asked for its next forward, the forwards over one model's weights under one layer
+    plan (a draft model's chain or tree steps; self-drafters skipping the same layers of a shared
+    target) run as one batched forward; the others one by one (a lone forward, a recorder, groups
+    spread over ranks by the ``distributed`` executor)."""
     drafts: list[Draft | None] = [None] * len(all_steps)
     waiting: dict[int, Forward] = {}
 
@@ -49,15 +51,17 @@ def draft_together(all_steps: list[DraftSteps]) -> list[Draft]:
         asked, groups = dict(waiting), {}
         waiting.clear()
         for i, f in asked.items():
-            key = ("alone", i) if f.plan is not None or f.model.recorder is not None else (id(f.model.linears), id(f.model.head))
+            alone = f.model.recorder is not None or (f.plan is not None and f.model.group_executor != "batched")
+            key = ("alone", i) if alone else (id(f.model.linears), id(f.model.head), f.plan)
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             if len(members) == 1:
                 advance(members[0], asked[members[0]].run())
                 continue
-            model = asked[members[0]].model
-            outs = model.forward_batch([BatchPart(asked[i].tokens, asked[i].cache, asked[i].positions,
-                                                  asked[i].rel_mask, asked[i].logits_for) for i in members])
+            first = asked[members[0]]
+            outs = first.model.forward_batch([BatchPart(asked[i].tokens, asked[i].cache, asked[i].positions,
+                                                        asked[i].rel_mask, asked[i].logits_for) for i in members],
+                                             plan=first.plan)
             for i, logits in zip(members, outs):
                 advance(i, logits)
     return [d for d in drafts if d is not None]

@@ -179,6 +179,30 @@ def loop_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnInput
 
 def batched_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnInputs) -> dict[int, torch.Tensor]:
     """All members' attention in one batched computation over stacked weights."""
+    q, k, v = _group_qkv(lm, g, h1)
+    out, q, k = _group_attend(lm, g, q, k, v, a)
+    o = _group_out(g, out)  # [N, T, H]
+    if lm.recorder is not None:
+        for i, li in enumerate(g.members):
+            lm.recorder.attn(li, q[i], k[i], v[i], o[i])
+    return {li: o[i] for i, li in enumerate(g.members)}
+
+
+def batched_group_rows(
+    lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, inputs: list[AttnInputs], sizes: list[int]
+) -> dict[int, torch.Tensor]:
+    """:func:`batched_group` over several sequences' rows at once (``CausalLM.forward_batch`` under a
+    plan): ``h1`` ``[R, H]`` holds sequence i's ``sizes[i]`` rows in turn, each attending to its own
+    cache under its own ``inputs[i]``; the stacked projections run over all ``R`` rows in one call."""
+    q, k, v = _group_qkv(lm, g, h1)  # [N, H, R, D]
+    outs = [_group_attend(lm, g, qi, ki, vi, a)[0]
+            for qi, ki, vi, a in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2), inputs)]
+    o = _group_out(g, torch.cat(outs, dim=1))
+    return {li: o[i] for i, li in enumerate(g.members)}
+
+
+def _group_qkv(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every member's q, k, v of the shared input ``h1`` ``[T, H]`` -> ``[N, heads, T, D]`` each (no RoPE)."""
     d = lm.dims
     n, t = len(g.members), h1.shape[0]
     dq, dkv = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
@@ -190,6 +214,16 @@ def batched_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnIn
     q = qkv[..., :dq].reshape(n, t, d.n_heads, d.head_dim).transpose(1, 2)  # [N, H, T, D]
     k = qkv[..., dq : dq + dkv].reshape(n, t, d.n_kv_heads, d.head_dim).transpose(1, 2)
     v = qkv[..., dq + dkv :].reshape(n, t, d.n_kv_heads, d.head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def _group_attend(
+    lm: "BlockModel", g: GroupWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnInputs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE, every member's K/V written to ``a.cache``, attention under ``a``'s masks -> (output
+    ``[N, T, Dq]`` before the o-projections, q and k after RoPE)."""
+    d = lm.dims
+    n, t = q.shape[0], q.shape[2]
     q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
     layers = g.layer_slice
     if layers is not None:
@@ -199,14 +233,14 @@ def batched_group(lm: "BlockModel", g: GroupWeights, h1: torch.Tensor, a: AttnIn
         keys, values = torch.stack([x[0] for x in kv]), torch.stack([x[1] for x in kv])
     rep = d.n_heads // d.n_kv_heads
     qp = q.reshape(n, d.n_kv_heads, rep * t, d.head_dim)
-    mp = _group_mask(a, g.members, t, keys.shape[-2], rep, h1.device)
+    mp = _group_mask(a, g.members, t, keys.shape[-2], rep, q.device)
     out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mp, scale=lm.scale)
-    out = out.reshape(n, d.n_heads, t, d.head_dim).transpose(1, 2).reshape(n, t, dq)
-    o = torch.baddbmm(g.b_o, out, g.w_o) if g.b_o is not None else torch.bmm(out, g.w_o)  # [N, T, H]
-    if lm.recorder is not None:
-        for i, li in enumerate(g.members):
-            lm.recorder.attn(li, q[i], k[i], v[i], o[i])
-    return {li: o[i] for i, li in enumerate(g.members)}
+    return out.reshape(n, d.n_heads, t, d.head_dim).transpose(1, 2).reshape(n, t, d.n_heads * d.head_dim), q, k
+
+
+def _group_out(g: GroupWeights, out: torch.Tensor) -> torch.Tensor:
+    """The members' o-projections: ``[N, T, Dq]`` -> ``[N, T, H]``."""
+    return torch.baddbmm(g.b_o, out, g.w_o) if g.b_o is not None else torch.bmm(out, g.w_o)
 
 
 def _group_mask(

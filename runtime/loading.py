@@ -10,7 +10,6 @@ import hashlib
 import importlib.resources
 import importlib.util
 import json
-import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager

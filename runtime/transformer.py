@@ -21,7 +21,7 @@ from runtime.attention import (
 from runtime.compiled import bucketed, compile_step, cuda_graphs, note_step, run_step, step_key
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
+from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, batched_group_rows, compile_plan, run_blocks
 from runtime.linear import (
     FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear,
     prefill_linear, row_way,
@@ -414,17 +414,24 @@ class CausalLM:
             return run_step(self._compiled_step, self.device, *args)
         return self._step(*args)
 
-    def forward_batch(self, parts: Sequence[BatchPart]) -> list[torch.Tensor]:
+    def forward_batch(self, parts: Sequence[BatchPart], plan: LayerPlan | None = None) -> list[torch.Tensor]:
         """One forward over several sequences' new rows (continuous batching) -> logits
         ``[T_i, V]`` per part. Each part appends to its own cache and attends only to it, under its
         own mask (causal, or its tree's ``rel_mask`` with its ``positions``), exactly as
         :meth:`forward` would run it alone; the projections, the MLPs and the head run over all
         parts' rows at once (``runtime.linear.run_rows``: a packed fp32 GEMM in calls of its
-        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole capacity as keys (no plans, no recorder).
+        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole
+        capacity as keys (no recorder).
+
+        Under a ``plan`` (drafters sharing a layer plan: ``runtime.batching.draft_together``) the
+        layers run as the plan says, a layer-parallel group's members over every part's rows in one
+        stacked call (``runtime.layer_exec.batched_group_rows``); skipped sub-layers write no K/V.
 
         A compiled model whose parts' caches are all slots of one ``SlotCache`` runs them as one
         static-shape forward instead (``runtime.slots.slot_step``: one graph per row bucket)."""
-        slot_cache = slot_parts(parts) if self.is_compiled and not self.invariant and self.windows is None else None
+        cp = None if plan is None or plan.is_identity else self.compiled(plan)
+        slot_cache = (slot_parts(parts) if cp is None and self.is_compiled and not self.invariant
+                      and self.windows is None else None)
         if slot_cache is not None:
             self.rope.ensure(slot_cache.capacity + 1, self.device)
             return slot_step(self, slot_cache, parts)
@@ -447,14 +454,23 @@ class CausalLM:
         def run_rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
             return run_linear_rows(lin, x, way)
 
-        for li, layer in enumerate(self.layers):
-            lin = self.linears[li]
-            x = layer.input_layernorm(h)
-            q, k, v = (y.split(sizes) for y in self._qkv(lin, x, run_rows))
+        def attention(li: int, layer: Any, lin: dict[str, Linear], h: torch.Tensor) -> torch.Tensor:
+            q, k, v = (y.split(sizes) for y in self._qkv(lin, layer.input_layernorm(h), run_rows))
             outs = [self._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
-            h = h + run_rows(lin["o"], torch.cat(outs))
-            x = layer.post_attention_layernorm(h)
-            h = h + self.mlp(lin, layer, x, run_rows)
+            return run_rows(lin["o"], torch.cat(outs))
+
+        blocks = [((li,), None) for li in range(len(self.layers))] if cp is None else [(b.layers, b.group) for b in cp.blocks]
+        skip_attn, skip_mlp = (set(), set()) if cp is None else (set(cp.plan.skip_attn), set(cp.plan.skip_mlp))
+        for layers, group in blocks:  # as runtime.layer_exec.run_blocks, over every part's rows
+            grouped = {} if group is None else batched_group_rows(self, group, h, inputs, sizes)
+            for li in layers:
+                layer, lin = self.layers[li], self.linears[li]
+                if group is None and li not in skip_attn:
+                    h = h + attention(li, layer, lin, h)
+                elif li in grouped:
+                    h = h + grouped[li]
+                if li not in skip_mlp:
+                    h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h), run_rows)
         if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
             h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
             sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])

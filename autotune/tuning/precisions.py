@@ -22,7 +22,7 @@ from autotune.tuning.cost_model import forward_seconds
 from runtime.errors import RuntimeUserError
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool
-from runtime.precision import PRECISIONS, get_precision
+from runtime.precision import get_precision
 from runtime.stats import DecodeStats
 
 # the precisions compared besides the study's own (float32's packed verify copy of a large target
