@@ -6,7 +6,7 @@ same code path.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,12 +28,15 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # a longer prompt is prefilled in forwards of this many tokens (llama.cpp's n_ubatch is 512):
+    # a server runs its batch's steps between them, so a long prompt never stalls the running requests
+    prefill_chunk: int = 512
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RuntimeUserError(
-                f"max_new_tokens={self.max_new_tokens!r} must be a positive integer"
-            )
+        for name in ("max_new_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RuntimeUserError(f"{name}={value!r} must be a positive integer")
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, limit: int, budget: str = "--max-new-tokens") -> None:
@@ -169,16 +172,37 @@ class Decoder:
     def start(self, prompt: list[int], config: GenerationConfig) -> "Sequence":
         """Prefill ``prompt`` (its first new token) and start every drafter on it: the state
         :meth:`generate` then advances round by round (or a batch, ``runtime.batching``)."""
+        steps = self.start_steps(prompt, config)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def start_steps(self, prompt: list[int], config: GenerationConfig) -> Generator[int, None, "Sequence"]:
+        """:meth:`start` a chunk at a time: the prompt is prefilled in forwards of at most
+        ``config.prefill_chunk`` tokens, and after each chunk but the last this yields the tokens
+        prefilled so far (a server steps its running batch there); returns the started sequence.
+        Raises a clear error before any forward when the prompt does not fit."""
         self.check_fits(len(prompt), config)
         seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
         seq.gen = decode_generator(self.target.device, config.seed)
         seq.cache = self._sequence_cache(seq.capacity)
-        with torch.inference_mode():
-            seq.out.append(self.prefill(prompt, seq.cache, config.sampling, seq.gen))
-            seq.stats.prefill_s = time.perf_counter() - seq.started
-            seq.stats.target_forwards = 1
-            for drafter in self._following():
-                drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
+        chunk, spent = config.prefill_chunk, 0.0
+        for at in range(0, len(prompt), chunk):
+            started = time.perf_counter()
+            ids = torch.tensor(prompt[at : at + chunk], device=self.target.device)
+            with torch.inference_mode():  # never held across a yield: the caller's code runs there
+                logits = self.target(ids, seq.cache, logits_for=slice(-1, None), prompt_chunk=True)
+                if at + chunk >= len(prompt):
+                    seq.out.append(self._pick(logits[0], config.sampling, seq.gen))
+                    for drafter in self._following():
+                        drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
+            spent += time.perf_counter() - started
+            if not seq.out:
+                yield at + len(ids)
+        seq.stats.prefill_s = spent  # the prefill's own forwards (a server's steps between chunks are not its cost)
+        seq.stats.target_forwards = 1  # the prefill counts as one, however many chunks it took
         return seq
 
     def _sequence_cache(self, capacity: int) -> KVCache:
@@ -285,11 +309,6 @@ class Decoder:
         if draft.tokens.numel():
             _record_round(stats, draft, len(path), cut)
         return new_tokens
-
-    def prefill(self, prompt: list[int], cache: KVCache, params: SamplingParams, gen: torch.Generator) -> int:
-        """The prompt in one exact-length forward (eager: its length varies) -> the first new token."""
-        logits = self.target(torch.tensor(prompt, device=self.target.device), cache, logits_for=slice(-1, None))
-        return self._pick(logits[0], params, gen)
 
     def rows(
         self, cur: int, draft: Draft, cache: KVCache, pad: bool | None = None, as_tree: bool | None = None

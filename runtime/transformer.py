@@ -313,14 +313,17 @@ class CausalLM:
         logits_for: slice | torch.Tensor | None = None,  # which rows get logits; None = all
         plan: LayerPlan | None = None,  # run the layers under this plan (None: all, in order)
         rel_mask: torch.Tensor | None = None,  # [T, R] bool over the last R slots (see attend_mask)
+        prompt_chunk: bool = False,  # rows of the prompt (a chunk of it, any length): run as a prefill
     ) -> torch.Tensor:
         """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``.
 
         The rows attend causally by default; ``rel_mask`` (a draft tree's or a verify pass's block
         over this round's rows, the prefix before it visible) or ``mask`` (explicit, any pattern)
-        override that. A prompt into an empty cache runs at its exact length (causal SDPA); every
-        other forward runs over the cache's whole capacity with a mask built on the device, so its
-        shapes are static (compiled steps, see ``compile_steps``) and it reads nothing back.
+        override that. A prompt into an empty cache runs at its exact length (causal SDPA) with the
+        prefill's weights, and so does a ``prompt_chunk`` after the prompt's earlier chunks (its keys
+        the cache's first ``length + T`` slots; ``Decoder.start_steps``); every other forward runs over the cache's whole
+        capacity with a mask built on the device, so its shapes are static (compiled steps, see
+        ``compile_steps``) and it reads nothing back.
 
         Under a ``plan``, skipped attention sub-layers write no K/V (their cache rows for these
         slots stay stale; a later exact forward over the same slots overwrites them)."""
@@ -332,11 +335,11 @@ class CausalLM:
         if mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
             full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=self.device)
             full[:, : start + t] = mask.to(self.device)
-        prefill = start == 0 and t > 1 and positions is None and mask is None and rel_mask is None
+        prefill = (prompt_chunk or (start == 0 and t > 1)) and positions is None and mask is None and rel_mask is None
         cp = None if plan is None or plan.is_identity else self.compiled(plan)
         if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
-        args = (tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, t if prefill else None)
+        args = (tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, start + t if prefill else None)
         if self._compiled_step is not None and not prefill and self.recorder is None:
             note_step(step_key(self, tokens, rel_mask, cp, positions is None, full is None,
                                _rows_key(logits_for), cache.capacity))
@@ -356,14 +359,14 @@ class CausalLM:
         cache: KVCache,
         cp: CompiledPlan | None,
         logits_for: slice | torch.Tensor | None,
-        key_len: int | None,  # a prefill: causal over exactly these slots
+        key_len: int | None,  # a prefill (or a prompt's later chunk): causal over exactly these slots
     ) -> torch.Tensor:
         """One forward with static shapes (what ``torch.compile`` captures): ``tokens`` -> logits."""
         if positions is None:
             positions = slots
         cos, sin = self.rope.lookup(positions)
-        if key_len is not None:  # prefill: exact length, causal (sliding windows need explicit masks)
-            mask = None if self.windows is None else attend_mask(slots, key_len, None)
+        if key_len is not None:  # prefill: exact length, causal (a later chunk, sliding windows: explicit masks)
+            mask = None if self.windows is None and key_len == tokens.shape[0] else attend_mask(slots, key_len, None)
         else:
             mask = full if full is not None else attend_mask(slots, cache.capacity, rel_mask)
         windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)

@@ -10,6 +10,7 @@ from autotune.errors import CliError
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
 from autotune.serving.limits import API_KEY_ENV, Limits
 from autotune.serving.server import GRACE_S
+from runtime.decoding import GenerationConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -25,6 +26,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-rows", type=int, metavar="ROWS",
                    help="target rows one decode step verifies at most (plain: 1 per request, speculative: 1 + "
                         "drafted); drafts shrink to fit (default: no limit)")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                   help="a longer prompt is prefilled in forwards of this many tokens, the running requests "
+                        f"stepping between them (default: {GenerationConfig.prefill_chunk}, as llama.cpp's n_ubatch)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
                    help="prompt + max_tokens of one request (default: the model's context); longer requests get a 400")
     p.add_argument("--route-distance", type=float,
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
         adaptive=adaptive, grace_s=args.grace, max_batch=args.max_batch, max_context=args.max_context,
-        max_batch_rows=args.max_batch_rows, request_control=args.request_control, limits=Limits(
+        max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, request_control=args.request_control,
+        limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
             max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout),
     ))

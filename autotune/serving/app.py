@@ -46,7 +46,7 @@ class Server:
     """What the endpoints share: the served model, its worker, the strategy book and metrics."""
 
     def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any,
-                 limits: Limits | None = None, context: int | None = None) -> None:
+                 limits: Limits | None = None, context: int | None = None, prefill_chunk: int | None = None) -> None:
         self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
         self.limits = limits if limits is not None else Limits()
         self.tokenizer = target.tokenizer
@@ -55,6 +55,9 @@ class Server:
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
+        # a longer prompt is prefilled in forwards of this many tokens, the batch stepping between them
+        # (None: GenerationConfig's default)
+        self.prefill_chunk = prefill_chunk
         self.lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="autotune-lookup")
 
     def close(self) -> None:
@@ -97,7 +100,8 @@ class Server:
             choice = self.book.choose(routing_text(prompt), req.autotune.strategy)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
-        cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos)
+        chunk = {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}
+        cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos, **chunk)
         return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit,
                    streamed=req.stream, text=routing_text(prompt)), len(ids)
 

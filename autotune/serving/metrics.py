@@ -58,6 +58,8 @@ class ServingMetrics:
                                     registry=r)
         self.batch_rows = Histogram(f"{PREFIX}batch_rows", "Target rows each decode step verified (1 per plain "
                                     "request, 1 + drafted per speculative one)", buckets=ROW_BUCKETS, registry=r)
+        self.prefill_chunks = Counter(f"{PREFIX}prefill_chunks", "Prompt chunks prefilled between decode steps (a "
+                                      "prompt longer than --prefill-chunk: its chunks after the first)", registry=r)
         self.draft_length = Histogram(f"{PREFIX}step_draft_tokens", "Tokens drafted per request and step, by route",
                                       route, buckets=ROW_BUCKETS, registry=r)
         self.switches = Counter(f"{PREFIX}request_strategy_switches", "Strategy switches inside requests (the "

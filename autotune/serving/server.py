@@ -47,6 +47,7 @@ class ServeConfig:
     max_batch: int | None = None  # requests decoded side by side; None: what memory allows, at most MAX_BATCH
     max_context: int | None = None  # prompt + max_tokens per request; None: the model's context
     max_batch_rows: int | None = None  # target rows one decode step verifies at most; None: no limit
+    prefill_chunk: int | None = None  # prompt tokens per prefill forward, steps between; None: GenerationConfig's
     request_control: bool = True  # routed requests switch strategy inside the request (``autotune.tuning.controller``)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class ServeConfig:
         if self.max_batch_rows is not None and self.max_batch_rows < (self.max_batch or 1):
             raise CliError(f"--max-batch-rows must be at least --max-batch ({self.max_batch or 1}): every request "
                            f"needs a row a step; got {self.max_batch_rows}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise CliError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
         if self.max_context is not None and self.max_context < 2:
             raise CliError(f"--max-context must be at least 2 tokens, got {self.max_context}")
         if self.route_distance is not None and not 0.0 <= self.route_distance <= 1.0:
@@ -102,6 +105,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance),
         max_batch=max_batch, on_step=metrics.observe_step, max_batch_rows=cfg.max_batch_rows)
     worker.on_control = metrics.observe_control
+    worker.on_prefill_chunk = metrics.prefill_chunks.inc
     if not cfg.request_control:
         worker.control = None
     worker.share_width(book.strategies() + worker.control_strategies())
@@ -127,7 +131,7 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
                  slot_bytes / 2**20, worker.compile_buckets())
     if max_batch > 1:
         worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
-    return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context)
+    return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context, prefill_chunk=cfg.prefill_chunk)
 
 
 def kv_bytes_per_slot(config: Any, context: int, element_bytes: int = 4) -> int:

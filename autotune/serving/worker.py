@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,7 +40,7 @@ from autotune.tuning.controller import ControlSettings, Corrections, RequestCont
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_shapes, strategy_rows
 from runtime.batching import Member, batch_round
-from runtime.decoding import Decoder, GenerationConfig, GenerationResult
+from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder, verify_backend
 from runtime.slots import ROW_BUCKETS, SlotCache, row_bucket
@@ -124,6 +124,18 @@ class Running:
         return self.control.current if self.control is not None else self.strategy
 
 
+@dataclass
+class Prefilling:
+    """A request whose prompt is being prefilled, a chunk between the batch's steps
+    (``Decoder.start_steps``); it joins the batch after its last chunk."""
+
+    job: Job
+    strategy: Strategy
+    decoder: Decoder
+    steps: Generator[int, None, Sequence]
+    started: bool = False  # its first chunk ran (at admission)
+
+
 class DecodeWorker:
     """The decode thread of one model and its bounded queue."""
 
@@ -160,6 +172,9 @@ class DecodeWorker:
         self._closing = False
         self._batch: list[Running] = []  # the running batch
         self._solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
+        self._prefilling: Prefilling | None = None  # a long prompt's prefill, a chunk between steps (it is _solo)
+        self.prefill_chunks = 0  # prompt chunks run between batched steps (a long prompt's every chunk but its first)
+        self.on_prefill_chunk: Callable[[], None] | None = None  # after each of them (metrics)
         self._in_use: set[int] = set()  # ids of the decoders serving a running request
         self._spare: dict[Strategy, list[Decoder]] = {}  # more decoders per strategy, for batch-mates
         self._batch_target: tuple[int, CausalLM] | None = None  # (verify width, the wrapper batched steps run)
@@ -456,6 +471,8 @@ class DecodeWorker:
     def _run(self) -> None:
         try:
             while self._fill():
+                if self._prefilling is not None:  # a long prompt: its next chunk, then the batch's step
+                    self._prefill()
                 if self._batch:
                     self._step()
                 if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
@@ -472,8 +489,9 @@ class DecodeWorker:
 
     def _fill(self) -> bool:
         """Admit waiting requests while the batch has room (blocking while nothing runs) -> False
-        once the worker should end (the stop sentinel was seen and nothing runs)."""
-        while len(self._batch) < self.max_batch:
+        once the worker should end (the stop sentinel was seen and nothing runs). Prefills run one
+        at a time: none is admitted while a long prompt's chunks are still running."""
+        while len(self._batch) < self.max_batch and self._prefilling is None:
             # block for the next request only when there is nothing else to do
             idle = not self._batch and not self._stop_seen and not (self.adapter is not None and self.adapter.deferred)
             try:
@@ -484,17 +502,17 @@ class DecodeWorker:
                 self._stop_seen = True
                 continue
             self._admit(job)
-        return bool(self._batch) or not self._stop_seen
+        return bool(self._batch) or self._prefilling is not None or not self._stop_seen
 
     def _admit(self, job: Job) -> None:
-        """Start ``job``: its prefill now, then it joins the batch (a re-tune's request decodes
-        whole, alone)."""
+        """Start ``job``: its prefill's first chunk now (a prompt of one chunk then joins the batch
+        at once; a longer one runs a chunk before each step until it joins: ``_prefill``). A
+        re-tune's request decodes whole, alone."""
         if job.cancelled.is_set():
             return
         if self._closing:  # queued in the instant before a drain emptied the queue
             job.emit("error", _shutting_down())
             return
-        running: Running | None = None
         self._solo = job
         try:
             if self.fault is not None:
@@ -510,12 +528,47 @@ class DecodeWorker:
                 return
             strategy = job.choice.strategy
             dec = self.acquire(strategy)
+            self._prefilling = Prefilling(job, strategy, dec, dec.start_steps(job.ids, job.cfg))
+        except ApiError as exc:
+            self._fail(job, None, exc)
+            self._solo = None
+            return
+        except Exception:  # a bug must not kill the worker: report it to this request only
+            self.failures += 1
+            log.exception("decoding a request failed")  # the details go to the log, never to the client
+            self._fail(job, None, _decode_failed())
+            self._solo = None
+            return
+        self._prefill()
+
+    def _prefill(self) -> None:
+        """The prefilling request's next prompt chunk; after its last, it joins the batch. A request
+        withdrawn (or stopped by a drain's grace) between chunks leaves with its decoder and slot."""
+        p = self._prefilling
+        assert p is not None
+        job, strategy, dec = p.job, p.strategy, p.decoder
+        running: Running | None = None
+        try:
             try:
-                with torch.inference_mode():
-                    seq = _user_errors(dec.start, job.ids, job.cfg)
+                if job.cancelled.is_set():
+                    self.release(strategy, dec)
+                    self._prefilling = self._solo = None
+                    return
+                if p.started:
+                    self.prefill_chunks += 1
+                    if self.on_prefill_chunk is not None:
+                        self.on_prefill_chunk()
+                p.started = True
+                try:
+                    _user_errors(next, p.steps)
+                    return  # more chunks: the batch steps first
+                except StopIteration as done:
+                    seq = done.value
             except BaseException:
                 self.release(strategy, dec)
+                self._prefilling = None
                 raise
+            self._prefilling = None
             control = None
             if self._controlled(job):
                 # where the route's latest requests mostly ended (else its strategy): the request starts there
@@ -534,7 +587,8 @@ class DecodeWorker:
             self.failures += 1
             log.exception("decoding a request failed")  # the details go to the log, never to the client
             self._fail(job, running, _decode_failed())
-        self._solo = None  # not on a BaseException: the worker's end answers this request too
+        if self._prefilling is None:
+            self._solo = None  # not on a BaseException: the worker's end answers this request too
 
     def _step(self) -> None:
         """One round for every running request; the finished, stopped and departed ones leave."""

@@ -128,6 +128,46 @@ def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round
     assert pending and pending[0] == 1, pending[:3]  # only the newest token was left for the first round
 
 
+def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(live):
+    """A prompt longer than the prefill chunk joins a running request: its chunks run one before
+    each of the batch's steps (the running request is not held up for the whole prefill), and both
+    answers equal their solo ones under the same chunking."""
+    running, ids, _ = live
+    server, worker = running.server, running.server.worker
+    short = "Count from one to fifty in words, separated by commas."  # one chunk, and 40 tokens of answer
+    long = routing_texts("gsm8k", 1, 30)[0]  # some 500 tokens: 8 chunks
+    during: list[bool] = []
+    observe = worker.on_step
+    server.prefill_chunk = 64
+    client = running.client()
+    try:
+        want_short = chat(client, short, "plain", max_tokens=40)
+        want_long = chat(client, long, ids["lookup"], max_tokens=8)
+        chunks_before = metric(running.url, "autotune:prefill_chunks_total")
+        worker.on_step = lambda batch: (during.append(worker._prefilling is not None), observe(batch))
+        gate = threading.Event()
+        worker.fault = lambda job: gate.wait(30)
+        with cf.ThreadPoolExecutor(2) as ex:
+            got_short = ex.submit(chat, client, short, "plain", max_tokens=40)
+            deadline = time.monotonic() + 30
+            while worker._solo is None and time.monotonic() < deadline:  # the short one is being admitted
+                time.sleep(0.02)
+            got_long = ex.submit(chat, client, long, ids["lookup"], max_tokens=8)
+            while worker.jobs.qsize() < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            gate.set()
+            got = got_short.result(), got_long.result()
+    finally:
+        server.prefill_chunk = None
+        worker.on_step, worker.fault = observe, None
+    assert got[0][:2] == want_short[:2] and got[1][:2] == want_long[:2]
+    chunks = metric(running.url, "autotune:prefill_chunks_total") - chunks_before
+    assert chunks >= 3, chunks  # the long prompt took 4 chunks or more, 1 at admission and the rest between steps
+    # the short request stepped after each chunk but the first (run as the long one was admitted) and
+    # the last (after which it joined the batch)
+    assert sum(during) == chunks - 1, (chunks, during)
+
+
 def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
     slot = kv_bytes_per_slot(smollm.hf_model.config, 8192)
     assert slot == 2 * 30 * 3 * 64 * 4 * 8192  # SmolLM2: 30 layers, 3 KV heads of 64
