@@ -38,7 +38,7 @@ from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_shapes, strategy_rows
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_shapes, starts_alone, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.errors import RuntimeUserError
@@ -155,6 +155,9 @@ class DecodeWorker:
         self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
+        # seconds per token of a drafting model's catch-up over a sequence (its prompt and first
+        # tokens, ``_sync_drafters``), by drafter kind: what starting to draft costs a request
+        self.catch_up_token_s: dict[str, float] = {}
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
@@ -637,35 +640,53 @@ class DecodeWorker:
     def _choose_lengths(self, batch: list[Running]) -> None:
         """Each speculative request's draft length and tree width this step
         (``autotune.tuning.load``): its strategy's when it decodes alone, the goodput-maximising
-        ones in a batch."""
-        if len(batch) == 1 or not self.load_aware:
+        ones in a batch. Either way a request whose drafting model has yet to catch up on its
+        sequence drafts only where that catch-up pays back over the tokens it has left."""
+        if not self.load_aware:
             for r in batch:
                 r.member.decoder.step_cap = _fit_rows(r.current, self.max_batch_rows)
                 r.member.decoder.step_width = None
             return
-        candidates = []
-        for r in batch:
-            s, stats = r.current, r.member.seq.stats
-            entry = r.job.choice.entry
-            prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
-            per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
-            if per_token is None:
-                per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
-            candidates.append(Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
-                                        s.draft_length if s.speculates else 0, per_token, strategy_rows(s),
-                                        tuple(s.tree_widths or ()) if s.speculates else ()))
+        candidates = [self._candidate(r) for r in batch]
+        if len(batch) == 1:
+            r = batch[0]
+            r.member.decoder.step_cap = _fit_rows(r.current, self.max_batch_rows) if starts_alone(candidates[0], self.step_cost) else 0
+            r.member.decoder.step_width = None
+            return
         for r, shape in zip(batch, choose_shapes(candidates, self.step_cost, self.max_batch_rows)):
             r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
 
-    @staticmethod
-    def _sync_drafters(batch: list[Running]) -> None:
+    def _candidate(self, r: Running) -> Candidate:
+        """``r``'s options this step for the goodput choice (``autotune.tuning.load.Candidate``)."""
+        s, seq = r.current, r.member.seq
+        stats = seq.stats
+        entry = r.job.choice.entry
+        prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
+        per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
+        if per_token is None:
+            per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
+        catch_up = self.catch_up_token_s.get(s.drafter, 0.0) if s.speculates and not r.drafter_synced else 0.0
+        return Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
+                         s.draft_length if s.speculates else 0, per_token, strategy_rows(s),
+                         tuple(s.tree_widths or ()) if s.speculates else (),
+                         start_s=catch_up * (len(seq.prompt) + len(seq.out)),
+                         remaining=seq.config.max_new_tokens - len(seq.out))
+
+    def _sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt
         (``Decoder.draft_prefill``, timed as prefill), not at admission: a request that a loaded
-        batch never lets draft never pays for it, and the next request's prefill waits less."""
+        batch never lets draft never pays for it, and the next request's prefill waits less. Its
+        price per token is kept by drafter kind (what the next request's start is priced at)."""
         for r in batch:
             if not r.drafter_synced and r.member.decoder.step_cap != 0:
-                r.member.decoder.draft_prefill(r.member.seq)
+                seq = r.member.seq
+                started = time.perf_counter()
+                r.member.decoder.draft_prefill(seq)
                 r.drafter_synced = True
+                per_token = (time.perf_counter() - started) / max(len(seq.prompt) + len(seq.out), 1)
+                kind = r.current.drafter
+                last = self.catch_up_token_s.get(kind)
+                self.catch_up_token_s[kind] = per_token if last is None else 0.5 * (last + per_token)
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,

@@ -47,6 +47,15 @@ class Candidate:
     draft_token_s: float  # seconds to draft one token (0 for prompt lookup)
     rows: Callable[[int], int] = lambda k: 1 + k  # target rows of a chain of length k
     widths: tuple[int, ...] = ()  # a tree's children per node by depth (empty: a chain)
+    # a one-off price of drafting at all: its draft model's catch-up over the sequence so far, not
+    # run yet (0: paid, or none), paid back over the ``remaining`` tokens it may still decode
+    start_s: float = 0.0
+    remaining: int = 1
+
+    def start_share(self, tokens: float) -> float:
+        """The catch-up's share of a round that appends ``tokens``: ``start_s`` spread evenly over
+        the tokens left to decode (a request near its end does not pay it back)."""
+        return self.start_s * tokens / max(self.remaining, 1)
 
     def shapes(self) -> list[Shape]:
         """Every draft this candidate may run, the ones no other beats on rows and tokens both,
@@ -146,7 +155,8 @@ def choose_shapes(candidates: Sequence[Candidate], cost: StepCost, max_rows: int
     def goodput(idx: list[int]) -> float:
         chosen = [o[i] for o, i in zip(options, idx)]
         seconds = cost.predict(sum(s.rows for s in chosen), len(idx))
-        seconds += sum(c.draft_token_s * s.length for c, s in zip(candidates, chosen))
+        seconds += sum(c.draft_token_s * s.length + (c.start_share(s.tokens) if s.length else 0.0)
+                       for c, s in zip(candidates, chosen))
         return sum(s.tokens for s in chosen) / max(seconds, 1e-9)
 
     best = goodput(at)
@@ -165,6 +175,18 @@ def choose_shapes(candidates: Sequence[Candidate], cost: StepCost, max_rows: int
             break
         best, at[j] = value, at[j] + 1
     return [o[i] for o, i in zip(options, at)]
+
+
+def starts_alone(candidate: Candidate, cost: StepCost) -> bool:
+    """Whether a sequence decoding alone should start drafting with its strategy's whole draft:
+    false only when its catch-up (``start_s``) is not paid back over the tokens it has left, that
+    is when a round of that draft, with the catch-up's share, appends fewer tokens per second than a
+    plain step. (Alone, a sequence otherwise runs its tuned strategy as it is.)"""
+    if candidate.start_s <= 0 or candidate.max_length < 1:
+        return True
+    full = candidate.shapes()[-1]
+    seconds = cost.predict(full.rows, 1) + candidate.draft_token_s * full.length + candidate.start_share(full.tokens)
+    return full.tokens / max(seconds, 1e-9) > 1.0 / max(cost.predict(1, 1), 1e-9)
 
 
 def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens
+from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, starts_alone
 
 
 def _cpu_like() -> StepCost:
@@ -47,6 +47,19 @@ def test_choice_maximises_goodput_against_brute_force():
     best = max(((a, b, c) for a in range(6) for b in range(6) for c in range(4)), key=goodput)
     got = choose_lengths(cands, cost)
     assert goodput(got) == pytest.approx(goodput(list(best)), rel=1e-9)
+
+
+def test_a_catch_up_near_the_end_of_a_request_does_not_pay():
+    """A draft model that has yet to catch up (0.5 s here, five plain steps) drafts where many
+    tokens are left and not where a few are, alone or in a batch; paid (0), it drafts either way."""
+    cost = _cpu_like()
+    fresh = dict(acceptance=0.8, max_length=6, draft_token_s=0.002, start_s=0.5)
+    many, few = Candidate(**fresh, remaining=200), Candidate(**fresh, remaining=4)
+    assert starts_alone(many, cost) and not starts_alone(few, cost)
+    assert starts_alone(Candidate(0.8, 6, 0.002, remaining=4), cost)  # nothing to catch up on
+    assert choose_lengths([many, many], cost)[0] > 0
+    assert choose_lengths([few, few], cost) == [0, 0]
+    assert choose_lengths([Candidate(0.8, 6, 0.002, remaining=4)] * 2, cost)[0] > 0
 
 
 def test_acceptance_estimate_moves_from_the_prior_to_the_sequence():

@@ -11,7 +11,7 @@ from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool
 from runtime.slots import SlotView
 from runtime.testing import tiny_model
-from search_spaces.strategy import PLAIN
+from search_spaces.strategy import PLAIN, Strategy
 
 
 def _worker(compile: bool, max_batch: int = 4) -> DecodeWorker:
@@ -43,11 +43,16 @@ def test_an_eager_or_unbatched_worker_keeps_its_own_caches():
 
 def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts():
     """The draft model's prompt catch-up waits for the first step the load-aware choice lets the
-    request draft in (a loaded batch that never does never pays for it), and runs once."""
+    request draft in (a loaded batch that never does never pays for it), and runs once; its price
+    per token is kept for the next request's choice."""
+    from types import SimpleNamespace
+
     from autotune.serving.worker import Running
     from runtime.batching import Member
 
     calls = []
+    seq = SimpleNamespace(prompt=[1] * 30, out=[2] * 10)
+    chain = Strategy(draft_length=4)
 
     class Recording:  # the decoder's side the worker drives here: its step cap and its draft prefill
         step_cap = 0
@@ -55,10 +60,12 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
         def draft_prefill(self, seq):
             calls.append(seq)
 
-    r = Running(job=None, member=Member(Recording(), "seq"), strategy=PLAIN)
-    DecodeWorker._sync_drafters([r])
-    assert calls == [] and not r.drafter_synced
+    worker = _worker(compile=False)
+    r = Running(job=None, member=Member(Recording(), seq), strategy=chain)
+    worker._sync_drafters([r])
+    assert calls == [] and not r.drafter_synced and worker.catch_up_token_s == {}
     r.member.decoder.step_cap = 3
-    DecodeWorker._sync_drafters([r])
-    DecodeWorker._sync_drafters([r])
-    assert calls == ["seq"] and r.drafter_synced
+    worker._sync_drafters([r])
+    worker._sync_drafters([r])
+    assert calls == [seq] and r.drafter_synced
+    assert set(worker.catch_up_token_s) == {chain.drafter} and worker.catch_up_token_s[chain.drafter] >= 0
