@@ -140,6 +140,17 @@ def verify_backend(device: str) -> str:
     return "mkl-packed" if torch.device(device).type == "cpu" and mkl_packing_available() else "dense"
 
 
+def verify_packing(lm: CausalLM, device: str, compiled: bool = False) -> str | None:
+    """The backend a served target's verifies run on a copy of its weights packed for the verify
+    width (``ModelPool.target_for_width``): ``mkl-packed`` for a float32 target on MKL's dense kernel,
+    on a CPU, uncompiled; None where verifies run the served wrapper itself (a quantised or oneDNN
+    backend is row-invariant already, compiled steps have static shapes, a GPU packs nothing)."""
+    backend = verify_backend(device)
+    if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32 and not compiled:
+        return backend
+    return None
+
+
 def _lookup_drafter(
     pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM
 ) -> Drafter:
@@ -175,9 +186,9 @@ def build_decoder(
     active = drafter if drafter is not None else DRAFTERS[first.drafter](pool, target, draft_name, first, lm)
     waiting = {s.drafter: s for s in standby if s.speculates and s.drafter != first.drafter}
     others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
-    backend = verify_backend(pool.device)
-    packed = backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32 and not pool.compile
-    if packed:
+    backend = verify_packing(lm, pool.device, pool.compile)
+    packed = backend is not None
+    if backend is not None:
         lm = pool.target_for_width(target, backend, width)
     decoder = Decoder(_compiled(lm, pool), active, first.draft_length, verify_width=width, kind=first.drafter)
     decoder.pads = packed or pool.compile  # otherwise a verify runs its drafted rows only

@@ -23,7 +23,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--stream", default="mixed", help="mixed, or a .jsonl file of {category, messages | prompt} rows")
     p.add_argument("--limit", type=int, help="take only the stream's first N requests")
     p.add_argument("--requests-per-client", type=int, default=2, metavar="N",
-                   help="each point sends N x its concurrency requests, the stream's first ones (default 2)")
+                   help="each point sends N x its concurrency requests, the stream's first ones taken one "
+                        "category at a time in turn (default 2)")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
                    "strategy ids (default plain,default,auto)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")

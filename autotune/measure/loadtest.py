@@ -1,7 +1,9 @@
 """A load test of a running ``autotune serve``: closed-loop clients, one mode and one concurrency
 at a time -> aggregate throughput and latency per (server, mode, concurrency).
 
-Each point sends the stream's first ``requests-per-client x concurrency`` requests: ``concurrency``
+Each point sends ``requests-per-client x concurrency`` requests, taken from the stream one category
+at a time in turn (:func:`interleaved`: the ``mixed`` stream comes in blocks of one category, and its
+first requests alone would make a low-concurrency point measure one task): ``concurrency``
 clients each send their next request as soon as their last one is answered. Reported: aggregate tok/s (tokens
 of all responses / wall time), requests/s, p50 / p95 latency and p50 time to first token as the
 client saw them, and, from the server's ``/metrics`` (before and after the point), the mean batch
@@ -121,11 +123,25 @@ def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamReq
     )
 
 
+def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:
+    """``requests`` one category at a time in turn (categories in order of first appearance, each
+    category's requests in stream order): every prefix is as mixed as the stream allows."""
+    by_category: dict[str, list[StreamRequest]] = {}
+    for r in requests:
+        by_category.setdefault(r.category, []).append(r)
+    queues = list(by_category.values())
+    out: list[StreamRequest] = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
 def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
               levels: Sequence[int], max_tokens: int, timeout_s: float,
               progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2) -> list[LoadPoint]:
     """Every (server, mode, concurrency) point, one at a time (``servers``: (label, url) pairs);
-    a point sends ``per_client`` x its concurrency requests (the first ones of ``requests``)."""
+    a point sends ``per_client`` x its concurrency requests (the first ones of ``interleaved(requests)``)."""
+    requests = interleaved(requests)
     points = []
     for label, url in servers:
         with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:

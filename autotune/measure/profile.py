@@ -26,7 +26,7 @@ from torch.utils.benchmark import Timer
 from autotune.errors import CliError
 from runtime.kv_cache import KVCache
 from runtime.loading import LoadedModel, prepare_backend
-from runtime.pipeline import ModelPool, verify_backend
+from runtime.pipeline import ModelPool, verify_packing
 from runtime.precision import PRECISIONS, get_precision
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan
@@ -137,8 +137,8 @@ def verify_lm(target: LoadedModel, width: int, compiled: bool = False, served: C
     if PRECISIONS[target.precision].backend_on(target.hf_model.device, compiled) != "dense":  # one kernel family, every width
         return served if served is not None else served_lm(target, compiled=compiled)
     lm = CausalLM(target.hf_model)
-    backend = verify_backend(str(lm.device))
-    if width > 1 and backend != "dense" and lm.dtype == torch.float32 and not compiled:
+    backend = verify_packing(lm, str(lm.device), compiled)
+    if width > 1 and backend is not None:
         lm.use_linear_backend(backend, width)
     return lm
 

@@ -70,7 +70,7 @@ def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
     from autotune.errors import CliError
     from autotune.store.hardware import hardware_fingerprint
     from autotune.tuning.load import DEFAULT_ACCEPTANCE, SCHEDULE_BATCHES, StepCost, batch_schedule, strategy_rows
-    from runtime.pipeline import ModelPool, verify_backend
+    from runtime.pipeline import ModelPool, verify_packing
     from runtime.precision import draft_precision
 
     key, strategy = stored.key, stored.strategy  # type: ignore[attr-defined]
@@ -86,8 +86,8 @@ def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
     target = pool.get(name, precision)
     lm = pool.served(target)
     width = strategy.max_tree_nodes + 1
-    backend = verify_backend(device)
-    if backend != "dense" and lm.backend == "dense" and lm.dtype == torch.float32:
+    backend = verify_packing(lm, device)
+    if backend is not None:
         lm = pool.target_for_width(target, backend, width)
     biggest = max(SCHEDULE_BATCHES)
     choose_row_ways(lm, biggest * (1 + strategy.draft_length))

@@ -42,7 +42,7 @@ from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choos
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.errors import RuntimeUserError
-from runtime.pipeline import ModelPool, build_decoder, verify_backend
+from runtime.pipeline import ModelPool, build_decoder, verify_packing
 from runtime.slots import ROW_BUCKETS, SlotCache, row_bucket
 from runtime.stats import DecodeStats
 from runtime.transformer import BatchPart, CausalLM
@@ -434,9 +434,8 @@ class DecodeWorker:
         width (verify rows are then computed as a solo verify computes them); else the served one."""
         if self._batch_target is None or self._batch_target[0] != self.verify_width:
             lm = self.pool.served(self.target)
-            backend = verify_backend(self.pool.device)
-            if (backend != "dense" and lm.backend == "dense" and self.verify_width > 1 and not self.pool.compile
-                    and lm.dtype == torch.float32):
+            backend = verify_packing(lm, self.pool.device, self.pool.compile)
+            if backend is not None and self.verify_width > 1:
                 lm = self.pool.target_for_width(self.target, backend, self.verify_width)
             if self.pool.compile and not lm.is_compiled:
                 lm.compile_steps()

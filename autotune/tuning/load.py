@@ -178,15 +178,16 @@ def choose_shapes(candidates: Sequence[Candidate], cost: StepCost, max_rows: int
 
 
 def starts_alone(candidate: Candidate, cost: StepCost) -> bool:
-    """Whether a sequence decoding alone should start drafting with its strategy's whole draft:
-    false only when its catch-up (``start_s``) is not paid back over the tokens it has left, that
-    is when a round of that draft, with the catch-up's share, appends fewer tokens per second than a
-    plain step. (Alone, a sequence otherwise runs its tuned strategy as it is.)"""
+    """Whether a sequence decoding alone should start drafting with its strategy's draft: false only
+    when its catch-up (``start_s``) exceeds the most that drafting could save over the tokens it has
+    left (each round's expected tokens for one plain step, drafting and verifying taken as free). Short
+    of that bound a sequence alone runs its tuned strategy as it is: the step cost is fitted on
+    batched steps, and alone the tuned strategy's own measurements speak for it."""
     if candidate.start_s <= 0 or candidate.max_length < 1:
         return True
-    full = candidate.shapes()[-1]
-    seconds = cost.predict(full.rows, 1) + candidate.draft_token_s * full.length + candidate.start_share(full.tokens)
-    return full.tokens / max(seconds, 1e-9) > 1.0 / max(cost.predict(1, 1), 1e-9)
+    tokens = candidate.shapes()[-1].tokens
+    most_saved = candidate.remaining * cost.predict(1, 1) * (1 - 1 / max(tokens, 1.0))
+    return candidate.start_s < most_saved
 
 
 def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 
 from autotune.tuning.cost_model import forward_seconds
 from runtime.errors import RuntimeUserError
@@ -65,12 +64,12 @@ class _Steps:
         self._s: dict[tuple[str, int], float] = {}
 
     def seconds(self, precision: str, rows: int) -> float:
-        from runtime.pipeline import verify_backend
+        from runtime.pipeline import verify_packing
 
         model = self.pool.get(self.target.name, precision)
         lm = self.pool.served(model)
-        backend = verify_backend(self.pool.device)
-        if rows > 1 and lm.backend == "dense" and backend != "dense" and lm.dtype == torch.float32:
+        backend = verify_packing(lm, self.pool.device, self.pool.compile)
+        if rows > 1 and backend is not None:
             rows = max(self.width, 2)  # packed for the verify width: every verify runs it
             lm = self.pool.target_for_width(model, backend, rows)
         else:

@@ -57,6 +57,9 @@ def test_a_catch_up_near_the_end_of_a_request_does_not_pay():
     many, few = Candidate(**fresh, remaining=200), Candidate(**fresh, remaining=4)
     assert starts_alone(many, cost) and not starts_alone(few, cost)
     assert starts_alone(Candidate(0.8, 6, 0.002, remaining=4), cost)  # nothing to catch up on
+    # alone, a draft the step cost would not pick still runs (its tuned strategy), catch-up or not
+    slow = Candidate(acceptance=0.2, max_length=6, draft_token_s=0.05, start_s=0.05, remaining=200)
+    assert choose_lengths([slow], cost) == [0] and starts_alone(slow, cost)
     assert choose_lengths([many, many], cost)[0] > 0
     assert choose_lengths([few, few], cost) == [0, 0]
     assert choose_lengths([Candidate(0.8, 6, 0.002, remaining=4)] * 2, cost)[0] > 0

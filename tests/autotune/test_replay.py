@@ -41,6 +41,18 @@ def test_schedule_interleaves_modes_per_request() -> None:
     assert schedule(0, ("auto",)) == []
 
 
+def test_a_load_point_takes_the_stream_one_category_at_a_time() -> None:
+    """The ``mixed`` stream comes in blocks of one category: a load point's first requests take
+    each category in turn, so that a point of few requests is not one task's."""
+    from autotune.measure.loadtest import interleaved
+
+    blocks = [_request(i, c) for i, c in enumerate("aaabbbcc")] + [_request(8, "a")]
+    got = interleaved(blocks)
+    assert [(r.category, r.index) for r in got] == [("a", 0), ("b", 3), ("c", 6), ("a", 1), ("b", 4), ("c", 7),
+                                                     ("a", 2), ("b", 5), ("a", 8)]
+    assert sorted(r.index for r in got) == list(range(9)) and interleaved([]) == []
+
+
 def test_replay_sends_in_schedule_order() -> None:
     requests = [_request(i, "a") for i in range(3)]
     sent: list[tuple[int, str]] = []
