@@ -188,7 +188,7 @@ def build_decoder(
     others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
     backend = verify_packing(lm, pool.device, pool.compile)
     packed = backend is not None
-    if backend is not None:
+    if packed:
         lm = pool.target_for_width(target, backend, width)
     decoder = Decoder(_compiled(lm, pool), active, first.draft_length, verify_width=width, kind=first.drafter)
     decoder.pads = packed or pool.compile  # otherwise a verify runs its drafted rows only

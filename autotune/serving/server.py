@@ -62,8 +62,14 @@ class ServeConfig:
         if self.max_batch_rows is not None and self.max_batch_rows < (self.max_batch or 1):
             raise CliError(f"--max-batch-rows must be at least --max-batch ({self.max_batch or 1}): every request "
                            f"needs a row a step; got {self.max_batch_rows}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise CliError(f"--prefill-chunk must be at least 1 token, got {self.prefill_chunk}")
+        if self.prefill_chunk is not None:  # the rule every request's GenerationConfig applies, at start-up
+            from runtime.decoding import GenerationConfig
+            from runtime.errors import RuntimeUserError
+
+            try:
+                GenerationConfig(prefill_chunk=self.prefill_chunk)
+            except RuntimeUserError as exc:
+                raise CliError(f"--prefill-chunk: {exc}") from None
         if self.max_context is not None and self.max_context < 2:
             raise CliError(f"--max-context must be at least 2 tokens, got {self.max_context}")
         if self.route_distance is not None and not 0.0 <= self.route_distance <= 1.0:

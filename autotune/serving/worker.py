@@ -176,8 +176,8 @@ class DecodeWorker:
         self._batch: list[Running] = []  # the running batch
         self._solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
         self._prefilling: Prefilling | None = None  # a long prompt's prefill, a chunk between steps (it is _solo)
-        self.prefill_chunks = 0  # prompt chunks run between batched steps (a long prompt's every chunk but its first)
-        self.on_prefill_chunk: Callable[[], None] | None = None  # after each of them (metrics)
+        # after each prompt chunk run between batched steps (a long prompt's every chunk but its first; metrics)
+        self.on_prefill_chunk: Callable[[], None] | None = None
         self._in_use: set[int] = set()  # ids of the decoders serving a running request
         self._spare: dict[Strategy, list[Decoder]] = {}  # more decoders per strategy, for batch-mates
         self._batch_target: tuple[int, CausalLM] | None = None  # (verify width, the wrapper batched steps run)
@@ -556,10 +556,8 @@ class DecodeWorker:
                     self.release(strategy, dec)
                     self._prefilling = self._solo = None
                     return
-                if p.started:
-                    self.prefill_chunks += 1
-                    if self.on_prefill_chunk is not None:
-                        self.on_prefill_chunk()
+                if p.started and self.on_prefill_chunk is not None:
+                    self.on_prefill_chunk()
                 p.started = True
                 try:
                     _user_errors(next, p.steps)
@@ -679,10 +677,10 @@ class DecodeWorker:
         for r in batch:
             if not r.drafter_synced and r.member.decoder.step_cap != 0:
                 seq = r.member.seq
-                started = time.perf_counter()
-                r.member.decoder.draft_prefill(seq)
+                before = seq.stats.prefill_s
+                r.member.decoder.draft_prefill(seq)  # times itself, as prefill
                 r.drafter_synced = True
-                per_token = (time.perf_counter() - started) / max(len(seq.prompt) + len(seq.out), 1)
+                per_token = (seq.stats.prefill_s - before) / max(len(seq.prompt) + len(seq.out), 1)
                 kind = r.current.drafter
                 last = self.catch_up_token_s.get(kind)
                 self.catch_up_token_s[kind] = per_token if last is None else 0.5 * (last + per_token)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
 from autotune.tuning.cost_model import forward_seconds
 from runtime.errors import RuntimeUserError
 from runtime.loading import LoadedModel

@@ -51,7 +51,7 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
     from runtime.batching import Member
 
     calls = []
-    seq = SimpleNamespace(prompt=[1] * 30, out=[2] * 10)
+    seq = SimpleNamespace(prompt=[1] * 30, out=[2] * 10, stats=SimpleNamespace(prefill_s=0.0))
     chain = Strategy(draft_length=4)
 
     class Recording:  # the decoder's side the worker drives here: its step cap and its draft prefill
@@ -59,6 +59,7 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
 
         def draft_prefill(self, seq):
             calls.append(seq)
+            seq.stats.prefill_s += 0.04
 
     worker = _worker(compile=False)
     r = Running(job=None, member=Member(Recording(), seq), strategy=chain)
