@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, starts_alone
+from autotune.tuning.load import STEPS_KEPT, Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, starts_alone
 
 
 def _cpu_like() -> StepCost:
@@ -15,6 +15,49 @@ def _cpu_like() -> StepCost:
 def test_step_cost_recovers_its_coefficients():
     cost = _cpu_like()
     assert cost.predict(10, 2) == pytest.approx(0.1 + 0.03 + 0.002, rel=1e-6)
+
+
+def _flat_then_linear(rows: int, seqs: int) -> float:
+    """A oneDNN-like step: 160 ms up to 8 rows, then 7 ms a row, and 4 ms each further sequence."""
+    return 0.16 + 0.007 * max(rows - 8, 0) + 0.004 * (seqs - 1)
+
+
+def test_step_cost_follows_a_flat_start_and_a_price_per_sequence():
+    """The start-up profile's shapes (``step_shapes``) of a step that is flat for its first rows:
+    the fit prices a lone step, the rows in between the profiled ones and the sequences as they
+    are (a line through the same points priced the lone step 16% low), and extrapolates past the
+    last profiled row count along its last segment."""
+    from autotune.measure.steps import step_shapes
+
+    cost = StepCost([(r, s, _flat_then_linear(r, s)) for r, s in step_shapes(16)])
+    for rows, seqs in [(1, 1), (3, 1), (6, 2), (12, 4), (16, 16), (30, 8), (80, 16), (120, 16)]:
+        assert cost.predict(rows, seqs) == pytest.approx(_flat_then_linear(rows, seqs), rel=1e-6), (rows, seqs)
+
+
+def test_step_cost_never_falls_with_rows_and_learns_from_real_steps():
+    """Noisy timings give a fit that still rises with rows; steps observed on a slower machine
+    (twice the profile's times) move the prediction to them once refitted (every 16 steps)."""
+    import random
+
+    rng = random.Random(0)
+    noisy = [(r, s, _flat_then_linear(r, s) * rng.uniform(0.85, 1.15)) for r in (1, 2, 4, 8, 16, 32) for s in (1, 2, 4)
+             if s <= r]
+    cost = StepCost(noisy)
+    by_rows = [cost.predict(r, 2) for r in range(1, 64)]
+    assert all(b >= a - 1e-12 for a, b in zip(by_rows, by_rows[1:]))
+    assert cost.per_seq >= 0
+    before = cost.predict(16, 4)
+    for _ in range(STEPS_KEPT):
+        cost.observe(16, 4, 2 * _flat_then_linear(16, 4))
+    assert before < 1.2 * _flat_then_linear(16, 4)
+    assert cost.predict(16, 4) == pytest.approx(2 * _flat_then_linear(16, 4), rel=0.1)
+
+
+def test_a_small_batch_fills_the_rows_a_flat_step_gives_for_free():
+    """Rows free up to 16, then 20 ms each: four sequences with free drafts at acceptance 0.9 draft
+    3 tokens each (4 x 4 = 16 rows) and no more."""
+    cost = StepCost([(r, s, 0.1 + 0.02 * max(r - 16, 0)) for r in (1, 4, 16, 32, 64) for s in (1, 4) if s <= r])
+    assert choose_lengths([Candidate(0.9, 8, 0.0)] * 4, cost) == [3, 3, 3, 3]
 
 
 def test_the_best_draft_length_falls_as_the_batch_grows():
