@@ -25,6 +25,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--requests-per-client", type=int, default=2, metavar="N",
                    help="each point sends N x its concurrency requests, the stream's first ones taken one "
                         "category at a time in turn (default 2)")
+    p.add_argument("--min-requests", type=int, default=8, metavar="N",
+                   help="each point sends at least N requests (default 8: the mixed stream's four categories "
+                        "twice), so a point of few clients is not decided by one or two prompts")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
                    "strategy ids (default plain,default,auto)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
@@ -70,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
     earlier = [point for path in args.also for point in read_points(path)]
     if args.requests_per_client < 1:
         raise CliError(f"--requests-per-client must be at least 1, got {args.requests_per_client}")
+    if args.min_requests < 1:
+        raise CliError(f"--min-requests must be at least 1, got {args.min_requests}")
     points = load_test(servers, requests, modes, levels, args.max_tokens, args.timeout, progress,
-                       args.requests_per_client)
+                       args.requests_per_client, args.min_requests)
     print(format_points(earlier + points))
     if args.json_out:
         args.json_out.write_text(json.dumps({"config": {"servers": servers, "stream": args.stream, "requests": len(requests),

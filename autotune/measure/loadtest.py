@@ -1,7 +1,8 @@
 """A load test of a running ``autotune serve``: closed-loop clients, one mode and one concurrency
 at a time -> aggregate throughput and latency per (server, mode, concurrency).
 
-Each point sends ``requests-per-client x concurrency`` requests, taken from the stream one category
+Each point sends ``requests-per-client x concurrency`` requests, and at least ``min-requests`` (a point
+of one client and two requests measures two prompts, which decide it), taken from the stream one category
 at a time in turn (:func:`interleaved`: the ``mixed`` stream comes in blocks of one category, and its
 first requests alone would make a low-concurrency point measure one task): ``concurrency``
 clients each send their next request as soon as their last one is answered. Reported: aggregate tok/s (tokens
@@ -136,11 +137,18 @@ def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:
     return out
 
 
+def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
+    """Requests a point of ``concurrency`` clients sends."""
+    return max(per_client * concurrency, min_requests)
+
+
 def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
               levels: Sequence[int], max_tokens: int, timeout_s: float,
-              progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2) -> list[LoadPoint]:
+              progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2,
+              min_requests: int = 1) -> list[LoadPoint]:
     """Every (server, mode, concurrency) point, one at a time (``servers``: (label, url) pairs);
-    a point sends ``per_client`` x its concurrency requests (the first ones of ``interleaved(requests)``)."""
+    a point sends ``per_client`` x its concurrency requests, and at least ``min_requests`` (the
+    first ones of ``interleaved(requests)``)."""
     requests = interleaved(requests)
     points = []
     for label, url in servers:
@@ -148,7 +156,8 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
             model = client.model_name()
             for mode in modes:
                 for level in levels:
-                    point = measure_point(client, model, requests[: per_client * level], mode, level, label)
+                    point = measure_point(client, model, requests[: point_size(level, per_client, min_requests)], mode,
+                                          level, label)
                     points.append(point)
                     if progress is not None:
                         progress(point)

@@ -53,6 +53,20 @@ def test_a_load_point_takes_the_stream_one_category_at_a_time() -> None:
     assert sorted(r.index for r in got) == list(range(9)) and interleaved([]) == []
 
 
+def test_a_load_point_sends_at_least_its_minimum() -> None:
+    from autotune.measure.loadtest import point_size
+
+    assert [point_size(c, 2, 8) for c in (1, 4, 16)] == [8, 8, 32]
+    assert [point_size(c, 1, 1) for c in (1, 4)] == [1, 4]
+
+
+@pytest.mark.parametrize("flag", ["--min-requests", "--requests-per-client"])
+def test_loadtest_counts_below_one_are_one_line_errors(flag: str, capsys: pytest.CaptureFixture[str],
+                                                       quiet_cli: None) -> None:
+    _one_line_error(capsys, ["loadtest", "--url", "http://127.0.0.1:9", "--stream", "mixed", flag, "0"],
+                    f"{flag} must be at least 1")
+
+
 def test_replay_sends_in_schedule_order() -> None:
     requests = [_request(i, "a") for i in range(3)]
     sent: list[tuple[int, str]] = []

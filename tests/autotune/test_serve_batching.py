@@ -186,8 +186,8 @@ def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
     running, _, _ = live
     requests = load_stream("mixed")[:4]
     points = load_test([("new", running.url)], requests, ["plain"], [1, 4], max_tokens=8, timeout_s=120,
-                       per_client=1)
-    assert [(p.concurrency, p.requests) for p in points] == [(1, 1), (4, 4)]
+                       per_client=1, min_requests=2)
+    assert [(p.concurrency, p.requests) for p in points] == [(1, 2), (4, 4)]
     assert all(p.tokens > 0 and p.tokens_per_s > 0 and p.latency_p95_s >= p.latency_p50_s for p in points)
     assert points[1].mean_batch is not None and points[1].mean_batch > 1  # four clients were batched
     assert "| new | plain | 4 | 4 |" in format_points(points) and points[1].draft_per_request == 0
