@@ -124,6 +124,9 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
         worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
     worker.freeze_width()  # one packed target from now on
     worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
+    book.use_fallback(worker.unknown_start(book.default))  # plain, or the default draft where it pays here
+    log.info("requests far from every stored task start on %s", "the default draft" if book.fallback.speculates
+             else "plain decoding")
     if worker.adapter is not None:
         worker.adapter.prepare()  # the re-tunes' cost model too
     # decode a dummy prompt with every routed strategy while /health says loading: first-call costs

@@ -38,7 +38,8 @@ from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import Candidate, StepCost, acceptance_estimate, choose_shapes, starts_alone, strategy_rows
+from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, CatchUpCost, StepCost, acceptance_estimate, \
+    choose_shapes, pays_alone, starts_alone, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.errors import RuntimeUserError
@@ -155,9 +156,9 @@ class DecodeWorker:
         self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
-        # seconds per token of a drafting model's catch-up over a sequence (its prompt and first
-        # tokens, ``_sync_drafters``), by drafter kind: what starting to draft costs a request
-        self.catch_up_token_s: dict[str, float] = {}
+        # a drafting model's catch-up over a sequence (its prompt and first tokens,
+        # ``_sync_drafters``), by drafter kind: what starting to draft costs a request
+        self.catch_ups: dict[str, CatchUpCost] = {}
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
@@ -390,6 +391,24 @@ class DecodeWorker:
             cost = self.control_cost(self.decoder(strategy))
             with torch.inference_mode():
                 cost.prepare()
+
+    def unknown_start(self, default: Strategy) -> Strategy:
+        """What a request far from every stored task starts on (the book's ``fallback``, with no
+        general entry stored): ``default``, the server's untuned draft, where this server's measured
+        cost model expects it to beat plain decoding alone at the acceptance of a route that stored
+        none (``DEFAULT_ACCEPTANCE``), else plain decoding. The answer differs by precision and
+        machine: on a 2-core CPU the Qwen pair's default chain ran below plain on most kinds of
+        text with an int4 target and above it with a float32 one (docs/benchmarks.md)."""
+        if not default.speculates or self.servable(default) is not None:
+            return PLAIN
+        dec = self.decoder(default)
+        cost = self.control_cost(dec) if self.control is not None else controller_cost(dec)
+        with torch.inference_mode():
+            per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
+            pays = pays_alone(Candidate(DEFAULT_ACCEPTANCE, default.draft_length, per_token, strategy_rows(default),
+                                        tuple(default.tree_widths or ())),
+                              lambda rows: cost.verify_s(rows), cost.plain_step_s())
+        return default if pays else PLAIN
 
     def _controlled(self, job: Job) -> bool:
         """Routed requests are controlled; an explicit choice (plain, default, a stored id), a
@@ -662,28 +681,26 @@ class DecodeWorker:
         per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
         if per_token is None:
             per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
-        catch_up = self.catch_up_token_s.get(s.drafter, 0.0) if s.speculates and not r.drafter_synced else 0.0
+        catch_up = self.catch_ups.get(s.drafter) if s.speculates and not r.drafter_synced else None
         return Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
                          s.draft_length if s.speculates else 0, per_token, strategy_rows(s),
                          tuple(s.tree_widths or ()) if s.speculates else (),
-                         start_s=catch_up * (len(seq.prompt) + len(seq.out)),
+                         start_s=catch_up.predict(len(seq.prompt) + len(seq.out)) if catch_up is not None else 0.0,
                          remaining=seq.config.max_new_tokens - len(seq.out))
 
     def _sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt
         (``Decoder.draft_prefill``, timed as prefill), not at admission: a request that a loaded
-        batch never lets draft never pays for it, and the next request's prefill waits less. Its
-        price per token is kept by drafter kind (what the next request's start is priced at)."""
+        batch never lets draft never pays for it, and the next request's prefill waits less. What it
+        cost is kept by drafter kind (``CatchUpCost``: what the next request's start is priced at)."""
         for r in batch:
             if not r.drafter_synced and r.member.decoder.step_cap != 0:
                 seq = r.member.seq
                 before = seq.stats.prefill_s
                 r.member.decoder.draft_prefill(seq)  # times itself, as prefill
                 r.drafter_synced = True
-                per_token = (seq.stats.prefill_s - before) / max(len(seq.prompt) + len(seq.out), 1)
-                kind = r.current.drafter
-                last = self.catch_up_token_s.get(kind)
-                self.catch_up_token_s[kind] = per_token if last is None else 0.5 * (last + per_token)
+                self.catch_ups.setdefault(r.current.drafter, CatchUpCost()).observe(
+                    len(seq.prompt) + len(seq.out), seq.stats.prefill_s - before)
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,

@@ -22,6 +22,7 @@ from scipy.optimize import nnls
 from search_spaces.strategy import Strategy
 
 STEPS_KEPT = 256  # real steps the step cost is fitted on (with the start-up profile)
+CATCH_UPS_KEPT = 32  # a drafting model's latest catch-ups its price is fitted on
 PRIOR_DRAFTS = 8  # pseudo-drafts of the route's acceptance before a sequence's own rounds count
 DEFAULT_ACCEPTANCE = 0.6  # a sequence of a route that stored no acceptance
 
@@ -157,6 +158,28 @@ class StepCost:
         self.knots, self.values, self.per_seq = knots, np.cumsum(coef[:-1]), float(coef[-1])
 
 
+class CatchUpCost:
+    """Seconds of a drafting model's catch-up over ``n`` tokens (a request's prompt and first
+    tokens): ``fixed + per_token * n``, non-negative least squares over the last catch-ups seen.
+    A forward has a price of its own whatever its length, so a rate per token taken from a short
+    prompt prices a long one several times too high (and one taken from a long prompt, a short one
+    too low); with one length seen the rate is its seconds per token."""
+
+    def __init__(self) -> None:
+        self.seen: deque[tuple[int, float]] = deque(maxlen=CATCH_UPS_KEPT)
+        self.coef = np.zeros(2)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.seen.append((max(tokens, 1), seconds))
+        if len({n for n, _ in self.seen}) < 2:
+            self.coef = np.array([0.0, sum(t for _, t in self.seen) / sum(n for n, _ in self.seen)])
+        else:
+            self.coef, _ = nnls(np.array([[1.0, n] for n, _ in self.seen]), np.array([t for _, t in self.seen]))
+
+    def predict(self, tokens: int) -> float:
+        return float(self.coef @ np.array([1.0, tokens])) if self.seen else 0.0
+
+
 def _row_weights(rows: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """Linear-interpolation weights of each row count on the knots (n x knots): constant below the
     first knot, the last segment's slope carried on past the last."""
@@ -215,6 +238,17 @@ def starts_alone(candidate: Candidate, cost: StepCost) -> bool:
     tokens = candidate.shapes()[-1].tokens
     most_saved = candidate.remaining * cost.predict(1, 1) * (1 - 1 / max(tokens, 1.0))
     return candidate.start_s < most_saved
+
+
+def pays_alone(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float) -> bool:
+    """Whether a sequence decoding alone with the candidate's whole draft (its strategy as it is) is
+    expected to beat plain decoding: a round's expected tokens over its drafting and its verify of
+    the draft's rows, against one token per ``plain_s``."""
+    if candidate.max_length < 1:
+        return False
+    whole = candidate.shapes()[-1]
+    round_s = candidate.draft_token_s * whole.length + verify_s(whole.rows)
+    return whole.tokens * plain_s > round_s
 
 
 def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:

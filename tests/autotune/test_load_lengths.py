@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.tuning.load import STEPS_KEPT, Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, starts_alone
+from autotune.tuning.load import STEPS_KEPT, Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, \
+    pays_alone, starts_alone
 
 
 def _cpu_like() -> StepCost:
@@ -154,3 +155,34 @@ def test_a_tree_narrows_before_it_shortens_as_the_batch_grows():
     busy = choose_shapes([tree] * 16, _cpu_like())
     assert all(s.width is not None for s in busy)  # 3 ms a row: every tree is narrower
     assert any(s.length > 0 for s in busy)  # but the batch still drafts
+
+
+def test_a_strategy_pays_alone_where_its_round_beats_plain_steps():
+    """A chain of 10 at acceptance 0.6 appends 2.49 tokens a round: it pays where its round (10
+    drafts and a verify) costs less than 2.49 plain steps, as a float32 1.5B target with an int4
+    draft does on a 2-core CPU (16 ms a draft, 193 ms a verify, 162 ms a plain step) and an int4
+    target does not (plain 38 ms, verify 149 ms)."""
+    chain = Candidate(0.6, 10, 0.016)
+    assert pays_alone(chain, lambda rows: 0.193, 0.162)
+    assert not pays_alone(chain, lambda rows: 0.149, 0.038)
+    rows_seen = []
+    assert pays_alone(Candidate(0.6, 4, 0.0, widths=(2, 2)), lambda rows: rows_seen.append(rows) or 0.1, 0.1)
+    assert rows_seen == [1 + 2 + 4]  # a tree is priced at its whole draft's rows (two depths here)
+    assert not pays_alone(Candidate(0.9, 0, 0.0), lambda rows: 0.0, 1.0)  # plain decoding never "pays"
+
+
+def test_a_catch_up_is_priced_as_a_forward_with_a_price_of_its_own():
+    """Catch-ups of 20 ms + 0.1 ms a token: after a short one and a long one the price of any length
+    is right, where a rate per token from the short one priced a 1000-token prompt at 1.1 s (0.12)."""
+    from autotune.tuning.load import CatchUpCost
+
+    cost = CatchUpCost()
+    assert cost.predict(500) == 0.0  # nothing seen: nothing priced
+    cost.observe(20, 0.022)
+    assert cost.predict(1000) == pytest.approx(1.1)  # one length seen: its rate
+    cost.observe(400, 0.06)
+    assert cost.predict(1000) == pytest.approx(0.12) and cost.predict(100) == pytest.approx(0.03)
+    for _ in range(64):  # only the latest catch-ups count
+        cost.observe(100, 0.5)
+        cost.observe(300, 1.5)
+    assert cost.predict(200) == pytest.approx(1.0)

@@ -123,7 +123,7 @@ def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round
 
     monkeypatch.setattr(ModelDrafter, "propose_steps", propose_steps)
     text = routing_texts("gsm8k", 1, 40)[0]
-    info = chat(running.client(), text, ids["chain"], max_tokens=12)[2]
+    info = chat(running.client(), text, ids["chain"], max_tokens=16)[2]
     assert info["drafted"] > 0
     assert pending and pending[0] == 1, pending[:3]  # only the newest token was left for the first round
 

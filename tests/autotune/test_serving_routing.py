@@ -59,6 +59,27 @@ def test_unknown_uses_a_stored_general_purpose_strategy(storage):
     assert not book.refresh_if_changed()  # nothing changed since
 
 
+def test_unknown_starts_on_the_fallback_the_server_chose(storage):
+    """With a draft and no general entry, ``unknown`` decodes with the book's fallback: plain
+    decoding until the server measured that its default draft pays (``DecodeWorker.unknown_start``);
+    a stored general entry still comes first."""
+    from dataclasses import replace
+
+    storage.record(replace(key("gsm8k"), draft_id="org/draft"), SKIP, ResultMetrics.from_throughput(10.0),
+                   prompts=routing_texts("gsm8k"))
+    book = StrategyBook(storage, TARGET, "org/draft", "cpu", ServingMetrics())
+    book.refresh()
+    haiku = "Write a haiku about autumn leaves falling on a quiet pond."
+    assert (book.choose(haiku, "auto").strategy, book.choose(haiku, "auto").label) == (PLAIN, "plain")
+    book.use_fallback(book.default)
+    far = book.choose(haiku, "auto")
+    assert (far.route, far.strategy, far.label) == ("unknown", Strategy(), "default")
+    assert book.choose(routing_texts("gsm8k", 1, offset=40)[0], "auto").strategy == SKIP  # routed as before
+    assert 'route="unknown",strategy="default"' in book.metrics.render().decode()
+    storage.record(replace(key("prompts"), draft_id="org/draft"), LOOKUP, ResultMetrics.from_throughput(12.0))
+    assert book.refresh_if_changed() and book.choose(haiku, "auto").strategy == LOOKUP
+
+
 def test_overrides_bypass_routing(storage):
     book = book_with(storage, gsm8k=SKIP)
     math = routing_texts("gsm8k", 1, offset=40)[0]

@@ -2,6 +2,7 @@
 of one cache and compiles a batched step per row bucket before serving (tiny random model)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autotune.serving.worker import DecodeWorker
@@ -64,9 +65,22 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
     worker = _worker(compile=False)
     r = Running(job=None, member=Member(Recording(), seq), strategy=chain)
     worker._sync_drafters([r])
-    assert calls == [] and not r.drafter_synced and worker.catch_up_token_s == {}
+    assert calls == [] and not r.drafter_synced and worker.catch_ups == {}
     r.member.decoder.step_cap = 3
     worker._sync_drafters([r])
     worker._sync_drafters([r])
     assert calls == [seq] and r.drafter_synced
-    assert set(worker.catch_up_token_s) == {chain.drafter} and worker.catch_up_token_s[chain.drafter] >= 0
+    assert set(worker.catch_ups) == {chain.drafter}
+    assert worker.catch_ups[chain.drafter].predict(40) == pytest.approx(0.04)  # its one catch-up: 40 tokens, 0.04 s
+
+
+def test_unknown_requests_start_on_a_draft_only_where_this_server_measured_it_paying(pool, smollm):
+    """``DecodeWorker.unknown_start`` (SmolLM2, float32, real timings): the server's default chain
+    (k=10) drafted by SmolLM2 itself costs ten target forwards a round, far above the 2.49 plain steps
+    its expected tokens at acceptance 0.6 are worth, so unknown requests start plain; prompt lookup
+    (no draft forward, a 5-row verify) pays, so it is kept."""
+    worker = DecodeWorker(pool, smollm, "smollm2-135m", max_queue=4, max_batch=2)
+    assert worker.unknown_start(Strategy()) == PLAIN
+    lookup = Strategy(drafter="prompt-lookup", draft_length=4)
+    assert worker.unknown_start(lookup) == lookup
+    assert worker.unknown_start(PLAIN) == PLAIN

@@ -3,8 +3,10 @@
 The book holds the stored best strategies of the served model / draft / hardware and a router
 fitted on the prompts each was tuned on (``autotune.serving.routing.router``). ``auto`` routes a request
 to the nearest task's strategy; a request far from every task is the route ``unknown``, which
-decodes plainly unless the store holds a strategy for the task ``prompts`` (ad-hoc, general
-prompts: ``autotune study --task prompts --data FILE``), the measured general-purpose choice.
+decodes with the store's strategy for the task ``prompts`` (ad-hoc, general prompts: ``autotune
+study --task prompts --data FILE``), the measured general-purpose choice, else with ``fallback``:
+plain decoding, or the server's default draft where its cost model expects that to pay
+(``DecodeWorker.unknown_start``).
 ``plain`` and ``default`` bypass routing; a number picks a stored strategy by id.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StrategyBook:
         self.scope = dict(model_id=target.model_id, model_revision=target.revision, draft_id=draft or "",
                           hardware=hardware_fingerprint(device))
         self.default = Strategy() if draft else PLAIN
+        self.fallback = PLAIN  # ``unknown`` without a general entry: PLAIN or ``default`` (set at start-up)
         self.router = TaskRouter(DEFAULT_ROUTE_DISTANCE if threshold is None else threshold)
         self.general: RouteEntry | None = None
         self.entries: list[RouteEntry] = []
@@ -56,8 +59,20 @@ class StrategyBook:
             self.entries, self.router, self.general, self._version = entries, router, general, version
         for e in entries:
             self.metrics.set_strategy(e.task, self._label(e), e.strategy.to_json())
-        unknown = general.strategy if general else PLAIN
-        self.metrics.set_strategy(UNKNOWN, self._label(general) if general else "plain", unknown.to_json())
+        self.metrics.set_strategy(UNKNOWN, *self._unknown(general))
+
+    def use_fallback(self, strategy: Strategy) -> None:
+        """``unknown`` requests decode with ``strategy`` (plain or the default) when no general entry is stored."""
+        self.fallback = strategy
+        with self._lock:
+            general = self.general
+        self.metrics.set_strategy(UNKNOWN, *self._unknown(general))
+
+    def _unknown(self, general: RouteEntry | None) -> tuple[str, str]:
+        """(label, strategy JSON) of the route ``unknown``."""
+        if general is not None:
+            return self._label(general), general.strategy.to_json()
+        return "default" if self.fallback.speculates else "plain", self.fallback.to_json()
 
     def refresh_if_changed(self) -> bool:
         if self.storage.version(**self.scope) == self._version:
@@ -89,7 +104,8 @@ class StrategyBook:
                           decision.entry)
         if general is not None:
             return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance, general)
-        return Choice(UNKNOWN, PLAIN, "plain", decision.distance)
+        fallback = self.fallback
+        return Choice(UNKNOWN, fallback, "default" if fallback.speculates else "plain", decision.distance)
 
     def tasks(self) -> list[str]:
         """The stored tasks requests are routed to (``/health``; safe from any thread)."""
