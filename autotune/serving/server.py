@@ -125,8 +125,6 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     worker.freeze_width()  # one packed target from now on
     worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
     book.use_fallback(worker.unknown_start(book.default))  # plain, or the default draft where it pays here
-    log.info("requests far from every stored task start on %s", "the default draft" if book.fallback.speculates
-             else "plain decoding")
     if worker.adapter is not None:
         worker.adapter.prepare()  # the re-tunes' cost model too
     # decode a dummy prompt with every routed strategy while /health says loading: first-call costs
@@ -221,8 +219,7 @@ def serve(cfg: ServeConfig) -> int:
 
 
 def _announce(server: Any) -> None:
-    print(f"autotune serve: {server.name} ready (routes: "
-          f"{', '.join(server.book.describe()) or 'none stored: every request decodes plainly'})", flush=True)
+    print(f"autotune serve: {server.name} ready (routes: {', '.join(server.book.describe())})", flush=True)
 
 
 def _run_uvicorn(config: Any, launcher: Any) -> None:

@@ -71,7 +71,9 @@ def test_unknown_starts_on_the_fallback_the_server_chose(storage):
     book.refresh()
     haiku = "Write a haiku about autumn leaves falling on a quiet pond."
     assert (book.choose(haiku, "auto").strategy, book.choose(haiku, "auto").label) == (PLAIN, "plain")
+    assert book.describe()[-1] == "unknown -> plain"
     book.use_fallback(book.default)
+    assert book.describe()[-1] == "unknown -> default"
     far = book.choose(haiku, "auto")
     assert (far.route, far.strategy, far.label) == ("unknown", Strategy(), "default")
     assert book.choose(routing_texts("gsm8k", 1, offset=40)[0], "auto").strategy == SKIP  # routed as before

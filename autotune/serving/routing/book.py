@@ -85,7 +85,10 @@ class StrategyBook:
         return list(dict.fromkeys([PLAIN, self.default, *(e.strategy for e in self.entries)]))
 
     def describe(self) -> list[str]:
+        with self._lock:
+            general = self.general
         return [f"{e.task} -> {self._label(e)}" for e in self.entries] + \
+            [f"{UNKNOWN} -> {self._unknown(general)[0]}"] + \
             [f"stored strategy {i} skipped ({why})" for i, why in self.skipped.items()]
 
     # ------------------------------------------------------------------ per request
