@@ -396,9 +396,10 @@ class DecodeWorker:
         """What a request far from every stored task starts on (the book's ``fallback``, with no
         general entry stored): ``default``, the server's untuned draft, where this server's measured
         cost model expects it to beat plain decoding alone at the acceptance of a route that stored
-        none (``DEFAULT_ACCEPTANCE``), else plain decoding. The answer differs by precision and
-        machine: on a 2-core CPU the Qwen pair's default chain ran below plain on most kinds of
-        text with an int4 target and above it with a float32 one (docs/benchmarks.md)."""
+        none (``DEFAULT_ACCEPTANCE``; a confidence-aware chain at the length that pays best up to
+        its cap), else plain decoding. The answer differs by precision and machine: on a 2-core CPU
+        the Qwen pair's default chain ran below plain on most kinds of text with an int4 target and
+        above it with a float32 one (docs/benchmarks.md)."""
         if not default.speculates or self.servable(default) is not None:
             return PLAIN
         dec = self.decoder(default)
@@ -407,7 +408,8 @@ class DecodeWorker:
             per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
             pays = pays_alone(Candidate(DEFAULT_ACCEPTANCE, default.draft_length, per_token, strategy_rows(default),
                                         tuple(default.tree_widths or ())),
-                              lambda rows: cost.verify_s(rows), cost.plain_step_s())
+                              lambda rows: cost.verify_s(rows), cost.plain_step_s(),
+                              stops_early=default.confidence_threshold > 0 and not default.tree_widths)
         return default if pays else PLAIN
 
     def _controlled(self, job: Job) -> bool:

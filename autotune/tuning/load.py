@@ -241,15 +241,17 @@ def starts_alone(candidate: Candidate, cost: StepCost) -> bool:
     return candidate.start_s < most_saved
 
 
-def pays_alone(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float) -> bool:
-    """Whether a sequence decoding alone with the candidate's whole draft (its strategy as it is) is
-    expected to beat plain decoding: a round's expected tokens over its drafting and its verify of
-    the draft's rows, against one token per ``plain_s``."""
+def pays_alone(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float,
+               stops_early: bool = False) -> bool:
+    """Whether a sequence decoding alone with the candidate's draft is expected to beat plain
+    decoding: a round's expected tokens over its drafting and its verify of the draft's rows,
+    against one token per ``plain_s``. The whole draft is judged, or, for a chain that stops at its
+    first unsure token (``stops_early``: SWIFT's confidence-aware drafting), the length up to its
+    cap that pays best: such a chain does not run its cap where its drafts stop being accepted."""
     if candidate.max_length < 1:
         return False
-    whole = candidate.shapes()[-1]
-    round_s = candidate.draft_token_s * whole.length + verify_s(whole.rows)
-    return whole.tokens * plain_s > round_s
+    shapes = candidate.shapes() if stops_early else candidate.shapes()[-1:]
+    return any(s.tokens * plain_s > candidate.draft_token_s * s.length + verify_s(s.rows) for s in shapes if s.length)
 
 
 def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:

@@ -165,6 +165,11 @@ def test_a_strategy_pays_alone_where_its_round_beats_plain_steps():
     chain = Candidate(0.6, 10, 0.016)
     assert pays_alone(chain, lambda rows: 0.193, 0.162)
     assert not pays_alone(chain, lambda rows: 0.149, 0.038)
+    # a verify of 0.25 s: the whole chain (2.49 tokens, 0.40 s of plain steps, for 0.41 s) no longer
+    # pays, while a confidence-aware chain, judged at its best length (3: 2.18 tokens for 0.298 s), does
+    assert not pays_alone(chain, lambda rows: 0.25, 0.162)
+    assert pays_alone(chain, lambda rows: 0.25, 0.162, stops_early=True)
+    assert not pays_alone(chain, lambda rows: 0.149, 0.038, stops_early=True)
     rows_seen = []
     assert pays_alone(Candidate(0.6, 4, 0.0, widths=(2, 2)), lambda rows: rows_seen.append(rows) or 0.1, 0.1)
     assert rows_seen == [1 + 2 + 4]  # a tree is priced at its whole draft's rows (two depths here)
