@@ -1,5 +1,6 @@
 """``serve --compile`` with batching: the decode worker keeps each running sequence's K/V in a slot
-of one cache and compiles a batched step per row bucket before serving (tiny random model)."""
+of one cache and compiles a batched step per row bucket before serving (tiny random model); the
+worker's own measured choices (SmolLM2)."""
 from __future__ import annotations
 
 import pytest
@@ -74,6 +75,7 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
     assert worker.catch_ups[chain.drafter].predict(40) == pytest.approx(0.04)  # its one catch-up: 40 tokens, 0.04 s
 
 
+@pytest.mark.slow
 def test_unknown_requests_start_on_a_draft_only_where_this_server_measured_it_paying(pool, smollm):
     """``DecodeWorker.unknown_start`` (SmolLM2, float32, real timings): a chain of 10 that always
     drafts its cap, drafted by SmolLM2 itself (about half a target step a token at int4), costs some
