@@ -213,7 +213,7 @@ class Decoder:
         cache = slots.take(self, capacity) if slots is not None else None
         return cache if cache is not None else self.target.new_cache(capacity, reuse=True)
 
-    def draft_prefill(self, seq: "Sequence") -> None:
+    def draft_prefill(self, seq: "Sequence") -> int:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its
         catch-up, which that round would otherwise run), timed as prefill. It is the prompt's cost,
         paid once per request like the target's prefill, not a round's: counted in the first round it
@@ -223,13 +223,16 @@ class Decoder:
         sequence is decoded calls it after ``start`` (``generate``, a batch; the server's worker
         before the first step the request drafts in, which a loaded batch may never give it):
         a catch-up left to the first round made a request's controller measure its draft chain
-        slower than plain over its first window. Nothing to do once the sequence is finished."""
+        slower than plain over its first window. Nothing to do once the sequence is finished.
+        -> the tokens the drafting model ran (0: nothing to catch up on, or no drafting model)."""
         sync = getattr(self.drafter, "sync", None)
         if sync is None or self.draft_length < 1 or seq.finished:
-            return
+            return 0
+        pending = len(getattr(self.drafter, "pending", ()))
         started = time.perf_counter()
         sync()
         seq.stats.prefill_s += time.perf_counter() - started
+        return max(pending - len(getattr(self.drafter, "pending", ())), 0)
 
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,

@@ -699,10 +699,10 @@ class DecodeWorker:
             if not r.drafter_synced and r.member.decoder.step_cap != 0:
                 seq = r.member.seq
                 before = seq.stats.prefill_s
-                r.member.decoder.draft_prefill(seq)  # times itself, as prefill
+                ran = r.member.decoder.draft_prefill(seq)  # times itself, as prefill
                 r.drafter_synced = True
-                self.catch_ups.setdefault(r.current.drafter, CatchUpCost()).observe(
-                    len(seq.prompt) + len(seq.out), seq.stats.prefill_s - before)
+                if ran:  # a catch-up that ran nothing (none needed) says nothing of its price
+                    self.catch_ups.setdefault(r.current.drafter, CatchUpCost()).observe(ran, seq.stats.prefill_s - before)
 
     def warm_up(self, strategies: list[Strategy], tokens: int = 24) -> float:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,
