@@ -408,7 +408,7 @@ class DecodeWorker:
             per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
             pays = pays_alone(Candidate(DEFAULT_ACCEPTANCE, default.draft_length, per_token, strategy_rows(default),
                                         tuple(default.tree_widths or ())),
-                              lambda rows: cost.verify_s(rows), cost.plain_step_s(),
+                              cost.verify_s, cost.plain_step_s(),
                               stops_early=default.confidence_threshold > 0 and not default.tree_widths)
         return default if pays else PLAIN
 

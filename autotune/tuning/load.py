@@ -12,6 +12,7 @@ costs about one row's forward on CPU) compete with batch-mates' plain rows at ba
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class StepCost:
         self.knots = np.array([1.0])  # row counts
         self.values = np.array([0.0])  # seconds of one sequence of each knot's rows
         self.per_seq = 0.0  # seconds each further sequence adds
+        self._knots, self._values = [1.0], [0.0]
         self._fit()
 
     def observe(self, rows: int, sequences: int, seconds: float) -> None:
@@ -142,7 +144,15 @@ class StepCost:
             self._fit()
 
     def predict(self, rows: int, sequences: int) -> float:
-        one = float(_row_weights(np.array([float(rows)]), self.knots)[0] @ self.values)
+        """Called for every option the goodput choice weighs, each step: plain Python on the fitted
+        knots (the weights of ``_row_weights`` for one row count), not arrays."""
+        knots, values = self._knots, self._values
+        if len(knots) == 1:
+            one = values[0]
+        else:
+            at = min(max(bisect_right(knots, rows) - 1, 0), len(knots) - 2)
+            t = max((rows - knots[at]) / (knots[at + 1] - knots[at]), 0.0)  # > 1 past the last knot
+            one = values[at] + t * (values[at + 1] - values[at])
         return one + self.per_seq * max(sequences - 1, 0)
 
     def _fit(self) -> None:
@@ -157,6 +167,7 @@ class StepCost:
         y = np.array([t for *_, t in data])
         coef, _ = nnls(x, y)
         self.knots, self.values, self.per_seq = knots, np.cumsum(coef[:-1]), float(coef[-1])
+        self._knots, self._values = self.knots.tolist(), self.values.tolist()
 
 
 class CatchUpCost:

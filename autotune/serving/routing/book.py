@@ -72,7 +72,11 @@ class StrategyBook:
         """(label, strategy JSON) of the route ``unknown``."""
         if general is not None:
             return self._label(general), general.strategy.to_json()
-        return "default" if self.fallback.speculates else "plain", self.fallback.to_json()
+        return self._fallback_label(self.fallback), self.fallback.to_json()
+
+    @staticmethod
+    def _fallback_label(fallback: Strategy) -> str:
+        return "default" if fallback.speculates else "plain"
 
     def refresh_if_changed(self) -> bool:
         if self.storage.version(**self.scope) == self._version:
@@ -108,7 +112,7 @@ class StrategyBook:
         if general is not None:
             return Choice(UNKNOWN, general.strategy, self._label(general), decision.distance, general)
         fallback = self.fallback
-        return Choice(UNKNOWN, fallback, "default" if fallback.speculates else "plain", decision.distance)
+        return Choice(UNKNOWN, fallback, self._fallback_label(fallback), decision.distance)
 
     def tasks(self) -> list[str]:
         """The stored tasks requests are routed to (``/health``; safe from any thread)."""
