@@ -28,6 +28,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
                    help="each point sends at least N requests (default 8: the mixed stream's four categories "
                         "twice), so a point of few clients is not decided by one or two prompts")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="measure every mode N times at each concurrency, the modes in turn and each round in a "
+                        "rotated order, and pool a mode's rounds into its point (default 1); the table shows "
+                        "each round's tok/s, the point's noise")
+    p.add_argument("--warmup", type=int, default=1, metavar="N",
+                   help="before a server's first point, send N requests per mode from one client, not measured "
+                        "(default 1; 0: none): a fresh server's first requests run slower")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
                    "strategy ids (default plain,default,auto)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
@@ -75,13 +82,18 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--requests-per-client must be at least 1, got {args.requests_per_client}")
     if args.min_requests < 1:
         raise CliError(f"--min-requests must be at least 1, got {args.min_requests}")
+    if args.rounds < 1:
+        raise CliError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.warmup < 0:
+        raise CliError(f"--warmup must be 0 or more, got {args.warmup}")
     points = load_test(servers, requests, modes, levels, args.max_tokens, args.timeout, progress,
-                       args.requests_per_client, args.min_requests)
+                       args.requests_per_client, args.min_requests, args.rounds, args.warmup)
     print(format_points(earlier + points))
     if args.json_out:
         args.json_out.write_text(json.dumps({"config": {"servers": servers, "stream": args.stream, "requests": len(requests),
                                                         "max_tokens": args.max_tokens, "modes": list(modes),
-                                                        "levels": levels},
+                                                        "levels": levels, "rounds": args.rounds,
+                                                        "warmup": args.warmup},
                                              "points": [p.as_dict() for p in points]}, indent=2))
     if args.plot:
         from autotune.reports.plots import load_plot

@@ -1,6 +1,10 @@
 """A load test of a running ``autotune serve``: closed-loop clients, one mode and one concurrency
 at a time -> aggregate throughput and latency per (server, mode, concurrency).
 
+Modes are measured side by side: at each concurrency every mode runs in turn, ``rounds`` times
+(each round in a rotated order), and a mode's point pools its rounds; ``warmup`` requests per mode
+run unmeasured before a server's first point.
+
 Each point sends ``requests-per-client x concurrency`` requests, and at least ``min-requests`` (a point
 of one client and two requests measures two prompts, which decide it), taken from the stream one category
 at a time in turn (:func:`interleaved`: the ``mixed`` stream comes in blocks of one category, and its
@@ -42,6 +46,8 @@ class LoadPoint:
     mean_batch: float | None  # requests per decode step, from /metrics
     rows_per_step: float | None  # target rows per decode step
     draft_per_request: float | None = None  # tokens drafted per request and step (load-aware lengths)
+    rounds: int = 1  # passes of the point's requests pooled into it
+    round_tokens_per_s: tuple[float, ...] = ()  # each pass's aggregate tok/s (its spread is the point's noise)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,8 +72,16 @@ def step_counters(client: ReplayClient) -> dict[str, float] | None:
     return found if all(n in found for n in STEP_METRICS) else None
 
 
-def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int,
-                  server: str = "server") -> LoadPoint:
+@dataclass(frozen=True)
+class _Sample:
+    """One pass of a point's requests: what the clients saw and the server's step counters moved."""
+
+    done: tuple[tuple[float, float, int], ...]  # (latency, ttft, tokens) per request
+    wall_s: float
+    counters: dict[str, float] | None  # /metrics deltas over the pass (None: a server without batching)
+
+
+def _send(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int) -> _Sample:
     """Send every request in ``mode`` from ``concurrency`` closed-loop clients."""
     before = step_counters(client)
     pending = list(requests)
@@ -103,25 +117,50 @@ def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamReq
     if failed:
         raise failed[0]
     after = step_counters(client)
-    mean_batch = rows = drafts = None
+    counters = None
     if before is not None and after is not None:
-        def delta(name: str) -> float:
-            return after.get(name, 0.0) - before.get(name, 0.0)
+        counters = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in set(before) | set(after)}
+    return _Sample(tuple(done), wall, counters)
 
-        steps = delta("autotune:batch_size_count")
+
+def _point(samples: Sequence[_Sample], server: str, mode: str, concurrency: int) -> LoadPoint:
+    """The pooled point of one or more passes of the same requests (tokens and wall time summed,
+    latencies pooled, step counters summed)."""
+    done = [d for s in samples for d in s.done]
+    wall = sum(s.wall_s for s in samples)
+    mean_batch = rows = drafts = None
+    if all(s.counters is not None for s in samples):
+        def total(name: str) -> float:
+            return sum((s.counters or {}).get(name, 0.0) for s in samples)
+
+        steps = total("autotune:batch_size_count")
         if steps > 0:
-            mean_batch = delta("autotune:batch_size_sum") / steps
-            rows = delta("autotune:batch_rows_sum") / steps
-        if delta("autotune:step_draft_tokens_count") > 0:
-            drafts = delta("autotune:step_draft_tokens_sum") / delta("autotune:step_draft_tokens_count")
+            mean_batch = total("autotune:batch_size_sum") / steps
+            rows = total("autotune:batch_rows_sum") / steps
+        if total("autotune:step_draft_tokens_count") > 0:
+            drafts = total("autotune:step_draft_tokens_sum") / total("autotune:step_draft_tokens_count")
     tokens = sum(n for *_, n in done)
     latencies = [lat for lat, _, _ in done]
     return LoadPoint(
         server=server, mode=mode, concurrency=concurrency, requests=len(done), tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall, requests_per_s=len(done) / wall, latency_p50_s=statistics.median(latencies),
         latency_p95_s=_quantile(latencies, 0.95), ttft_p50_s=statistics.median(t for _, t, _ in done),
-        mean_batch=mean_batch, rows_per_step=rows, draft_per_request=drafts,
+        mean_batch=mean_batch, rows_per_step=rows, draft_per_request=drafts, rounds=len(samples),
+        round_tokens_per_s=tuple(round(sum(n for *_, n in s.done) / s.wall_s, 3) for s in samples),
     )
+
+
+def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int,
+                  server: str = "server") -> LoadPoint:
+    """Send every request in ``mode`` from ``concurrency`` closed-loop clients, once."""
+    return _point([_send(client, model, requests, mode, concurrency)], server, mode, concurrency)
+
+
+def rotated(modes: Sequence[str], round_: int) -> list[str]:
+    """The order of ``modes`` in round ``round_`` (0-based): each round starts one mode later, so no
+    mode always runs first (on the server as the previous level's traffic left it) or last."""
+    k = round_ % len(modes) if modes else 0
+    return list(modes[k:]) + list(modes[:k])
 
 
 def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:
@@ -145,19 +184,34 @@ def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
 def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
               levels: Sequence[int], max_tokens: int, timeout_s: float,
               progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2,
-              min_requests: int = 1) -> list[LoadPoint]:
-    """Every (server, mode, concurrency) point, one at a time (``servers``: (label, url) pairs);
-    a point sends ``per_client`` x its concurrency requests, and at least ``min_requests`` (the
-    first ones of ``interleaved(requests)``)."""
+              min_requests: int = 1, rounds: int = 1, warmup: int = 0) -> list[LoadPoint]:
+    """Every (server, mode, concurrency) point (``servers``: (label, url) pairs); a point sends
+    ``per_client`` x its concurrency requests, and at least ``min_requests`` (the first ones of
+    ``interleaved(requests)``).
+
+    Modes are measured side by side: at each concurrency, ``rounds`` passes of every mode in turn
+    (``rotated``: each round starts one mode later), and a point pools its mode's passes. Before a
+    server's first point, ``warmup`` requests per mode from one client, not measured (taken from
+    past the largest point's requests where the stream has them): a fresh server's first requests
+    run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run)."""
     requests = interleaved(requests)
+    needed = max((point_size(level, per_client, min_requests) for level in levels), default=0)
+    warm = (requests[needed:] or requests)[:warmup]
     points = []
     for label, url in servers:
         with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:
             model = client.model_name()
             for mode in modes:
-                for level in levels:
-                    point = measure_point(client, model, requests[: point_size(level, per_client, min_requests)], mode,
-                                          level, label)
+                if warm:
+                    _send(client, model, warm, mode, 1)
+            for level in levels:
+                batch = requests[: point_size(level, per_client, min_requests)]
+                samples: dict[str, list[_Sample]] = {mode: [] for mode in modes}
+                for r in range(rounds):
+                    for mode in rotated(modes, r):
+                        samples[mode].append(_send(client, model, batch, mode, level))
+                for mode in modes:
+                    point = _point(samples[mode], label, mode, level)
                     points.append(point)
                     if progress is not None:
                         progress(point)
@@ -166,14 +220,16 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
 
 def format_points(points: Sequence[LoadPoint]) -> str:
     lines = ["| server | mode | concurrency | requests | tok/s | req/s | p50 latency s | p95 latency s | p50 TTFT s "
-             "| mean batch | rows / step | drafted / request / step |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mean batch | rows / step | drafted / request / step | tok/s by round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         batch = "-" if p.mean_batch is None else f"{p.mean_batch:.1f}"
         rows = "-" if p.rows_per_step is None else f"{p.rows_per_step:.1f}"
         drafts = "-" if p.draft_per_request is None else f"{p.draft_per_request:.2f}"
+        by_round = " / ".join(f"{x:.2f}" for x in p.round_tokens_per_s) or "-"
         lines.append(f"| {p.server} | {p.mode} | {p.concurrency} | {p.requests} | {p.tokens_per_s:.2f} | "
                      f"{p.requests_per_s:.3f} | {p.latency_p50_s:.2f} | {p.latency_p95_s:.2f} | {p.ttft_p50_s:.2f} | "
-                     f"{batch} | {rows} | {drafts} |")
+                     f"{batch} | {rows} | {drafts} | {by_round} |")
     return "\n".join(lines)
 
 
@@ -183,8 +239,9 @@ def read_points(path: Any) -> list[LoadPoint]:
 
     try:
         data = json.loads(open(path).read())
-        return [LoadPoint(**p) for p in data["points"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [LoadPoint(**{**p, "round_tokens_per_s": tuple(p.get("round_tokens_per_s", ()))})
+                for p in data["points"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         from autotune.errors import CliError
 
         raise CliError(f"cannot read load-test points from {path}: {exc}; pass a file `loadtest --json` wrote") from None

@@ -60,11 +60,45 @@ def test_a_load_point_sends_at_least_its_minimum() -> None:
     assert [point_size(c, 1, 1) for c in (1, 4)] == [1, 4]
 
 
-@pytest.mark.parametrize("flag", ["--min-requests", "--requests-per-client"])
+@pytest.mark.parametrize("flag", ["--min-requests", "--requests-per-client", "--rounds"])
 def test_loadtest_counts_below_one_are_one_line_errors(flag: str, capsys: pytest.CaptureFixture[str],
                                                        quiet_cli: None) -> None:
     _one_line_error(capsys, ["loadtest", "--url", "http://127.0.0.1:9", "--stream", "mixed", flag, "0"],
                     f"{flag} must be at least 1")
+
+
+def test_a_negative_loadtest_warmup_is_a_one_line_error(capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    _one_line_error(capsys, ["loadtest", "--url", "http://127.0.0.1:9", "--stream", "mixed", "--warmup", "-1"],
+                    "--warmup must be 0 or more")
+
+
+def test_load_rounds_rotate_the_modes_so_none_always_runs_first() -> None:
+    from autotune.measure.loadtest import rotated
+
+    modes = ("plain", "default", "auto")
+    orders = [rotated(modes, r) for r in range(4)]
+    assert orders == [["plain", "default", "auto"], ["default", "auto", "plain"], ["auto", "plain", "default"],
+                      ["plain", "default", "auto"]]
+    assert {o[0] for o in orders[:3]} == set(modes) and rotated((), 2) == []
+
+
+def test_a_load_point_pools_its_rounds() -> None:
+    """Tokens and wall time are summed (not per-round rates averaged), latencies pooled, the step
+    counters summed; each round's own rate is kept."""
+    from autotune.measure.loadtest import _point, _Sample
+
+    first = _Sample(((1.0, 0.1, 10), (3.0, 0.3, 30)), 4.0, {"autotune:batch_size_sum": 4.0,
+                                                          "autotune:batch_size_count": 4.0,
+                                                          "autotune:batch_rows_sum": 8.0})
+    second = _Sample(((2.0, 0.2, 20),), 1.0, {"autotune:batch_size_sum": 2.0, "autotune:batch_size_count": 1.0,
+                                              "autotune:batch_rows_sum": 2.0, "autotune:step_draft_tokens_sum": 3.0,
+                                              "autotune:step_draft_tokens_count": 6.0})
+    point = _point([first, second], "new", "auto", 2)
+    assert (point.requests, point.tokens, point.wall_s, point.rounds) == (3, 60, 5.0, 2)
+    assert point.tokens_per_s == 12.0 and point.round_tokens_per_s == (10.0, 20.0)
+    assert point.latency_p50_s == 2.0 and point.ttft_p50_s == 0.2
+    assert point.mean_batch == 6.0 / 5.0 and point.rows_per_step == 10.0 / 5.0 and point.draft_per_request == 0.5
+    assert _point([first, _Sample(second.done, 1.0, None)], "new", "auto", 2).mean_batch is None  # one round unknown
 
 
 def test_replay_sends_in_schedule_order() -> None:

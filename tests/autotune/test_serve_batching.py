@@ -181,6 +181,14 @@ def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
     assert batch_size(None, 1, 8192, free=2**40) == 16
 
 
+def _answered(url: str) -> float:
+    """Requests the server answered so far (its /metrics ``requests_total``, every route and finish)."""
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return sum(float(line.rpartition(" ")[2]) for line in lines if line.startswith("autotune:requests_total{"))
+
+
 def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
     from autotune.measure.loadtest import format_points, load_test, read_points
     from autotune.reports.plots import load_plot
@@ -188,12 +196,18 @@ def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
 
     running, _, _ = live
     requests = load_stream("mixed")[:4]
-    points = load_test([("new", running.url)], requests, ["plain"], [1, 4], max_tokens=8, timeout_s=120,
-                       per_client=1, min_requests=2)
-    assert [(p.concurrency, p.requests) for p in points] == [(1, 2), (4, 4)]
+    before = _answered(running.url)
+    points = load_test([("new", running.url)], requests, ["plain", "default"], [1, 4], max_tokens=8, timeout_s=120,
+                       per_client=1, min_requests=2, rounds=2, warmup=1)
+    # two rounds of each mode at each level, pooled into one point; one unmeasured request per mode first
+    assert [(p.mode, p.concurrency, p.requests, p.rounds) for p in points] == [
+        ("plain", 1, 4, 2), ("default", 1, 4, 2), ("plain", 4, 8, 2), ("default", 4, 8, 2)]
+    assert _answered(running.url) - before == 2 + 4 * 2 + 8 * 2
+    assert all(len(p.round_tokens_per_s) == 2 and min(p.round_tokens_per_s) > 0 for p in points)
+    points = [p for p in points if p.mode == "plain"]
     assert all(p.tokens > 0 and p.tokens_per_s > 0 and p.latency_p95_s >= p.latency_p50_s for p in points)
     assert points[1].mean_batch is not None and points[1].mean_batch > 1  # four clients were batched
-    assert "| new | plain | 4 | 4 |" in format_points(points) and points[1].draft_per_request == 0
+    assert "| new | plain | 4 | 8 |" in format_points(points) and points[1].draft_per_request == 0
     path = tmp_path / "points.json"
     import json
 
