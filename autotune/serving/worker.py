@@ -406,9 +406,7 @@ class DecodeWorker:
         cost = self.control_cost(dec) if self.control is not None else controller_cost(dec)
         with torch.inference_mode():
             per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
-            pays = pays_alone(Candidate(DEFAULT_ACCEPTANCE, default.draft_length, per_token, strategy_rows(default),
-                                        tuple(default.tree_widths or ())),
-                              cost.verify_s, cost.plain_step_s(),
+            pays = pays_alone(Candidate.of(default, DEFAULT_ACCEPTANCE, per_token), cost.verify_s, cost.plain_step_s(),
                               stops_early=default.confidence_threshold > 0 and not default.tree_widths)
         return default if pays else PLAIN
 
@@ -684,11 +682,9 @@ class DecodeWorker:
         if per_token is None:
             per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
         catch_up = self.catch_ups.get(s.drafter) if s.speculates and not r.drafter_synced else None
-        return Candidate(acceptance_estimate(prior, stats.accepted, stats.drafted),
-                         s.draft_length if s.speculates else 0, per_token, strategy_rows(s),
-                         tuple(s.tree_widths or ()) if s.speculates else (),
-                         start_s=catch_up.predict(len(seq.prompt) + len(seq.out)) if catch_up is not None else 0.0,
-                         remaining=seq.config.max_new_tokens - len(seq.out))
+        return Candidate.of(s, acceptance_estimate(prior, stats.accepted, stats.drafted), per_token,
+                            start_s=catch_up.predict(len(seq.prompt) + len(seq.out)) if catch_up is not None else 0.0,
+                            remaining=seq.config.max_new_tokens - len(seq.out))
 
     def _sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt

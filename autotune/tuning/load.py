@@ -55,6 +55,14 @@ class Candidate:
     start_s: float = 0.0
     remaining: int = 1
 
+    @classmethod
+    def of(cls, strategy: Strategy, acceptance: float, draft_token_s: float, start_s: float = 0.0,
+           remaining: int = 1) -> Candidate:
+        """``strategy``'s candidate: its draft length (0 for plain decoding), rows and tree widths."""
+        spec = strategy.speculates
+        return cls(acceptance, strategy.draft_length if spec else 0, draft_token_s, strategy_rows(strategy),
+                   tuple(strategy.tree_widths or ()) if spec else (), start_s=start_s, remaining=remaining)
+
     def start_share(self, tokens: float) -> float:
         """The catch-up's share of a round that appends ``tokens``: ``start_s`` spread evenly over
         the tokens left to decode (a request near its end does not pay it back)."""

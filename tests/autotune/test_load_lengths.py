@@ -191,3 +191,17 @@ def test_a_catch_up_is_priced_as_a_forward_with_a_price_of_its_own():
         cost.observe(100, 0.5)
         cost.observe(300, 1.5)
     assert cost.predict(200) == pytest.approx(1.0)
+
+
+def test_a_strategys_candidate_has_its_length_rows_and_widths():
+    """``Candidate.of``: what the goodput choice and the unknown-traffic start both read off a strategy."""
+    from search_spaces.strategy import PLAIN, Strategy
+
+    tree = Candidate.of(Strategy(drafter="draft-model", draft_length=3, tree_widths=(2, 2, 1)), 0.7, 0.01,
+                        start_s=0.2, remaining=40)
+    assert (tree.max_length, tree.widths, tree.rows(2), tree.rows(3), tree.start_s, tree.remaining) == \
+        (3, (2, 2, 1), 1 + 2 + 4, 1 + 2 + 4 + 4, 0.2, 40)
+    chain = Candidate.of(Strategy(drafter="prompt-lookup", draft_length=5), 0.4, 0.0)
+    assert (chain.max_length, chain.widths, chain.rows(5)) == (5, (), 6)
+    plain = Candidate.of(PLAIN, 0.9, 0.0)
+    assert (plain.max_length, plain.widths, [s.length for s in plain.shapes()]) == (0, (), [0])
