@@ -38,8 +38,8 @@ from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, CatchUpCost, StepCost, acceptance_estimate, \
-    choose_shapes, pays_alone, starts_alone, strategy_rows
+from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, CatchUpCost, DraftCost, StepCost, \
+    acceptance_estimate, choose_shapes, pays_alone, starts_alone, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.errors import RuntimeUserError
@@ -159,6 +159,9 @@ class DecodeWorker:
         # a drafting model's catch-up over a sequence (its prompt and first tokens,
         # ``_sync_drafters``), by drafter kind: what starting to draft costs a request
         self.catch_ups: dict[str, CatchUpCost] = {}
+        # the draft model's depth forwards in a batched step (``profile_steps``, then the real steps):
+        # one forward per depth for every sequence drafting there, priced once for them all
+        self.draft_cost = DraftCost()
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
@@ -615,6 +618,7 @@ class DecodeWorker:
         self._control(batch)
         self._choose_lengths(batch)
         drafting = sum(r.member.seq.stats.draft_s for r in batch)
+        drafted = [r.member.seq.stats.drafted for r in batch]
         try:
             self._sync_drafters(batch)  # timed as the requests' prefill, not the step's
             started = time.perf_counter()
@@ -626,14 +630,24 @@ class DecodeWorker:
             for r in batch:
                 self._fail(r.job, r, exc if isinstance(exc, ApiError) else _decode_failed())
             return
+        drafting_s = sum(r.member.seq.stats.draft_s for r in batch) - drafting
         if len(batch) > 1:  # the target forward's time: the step's, less its drafting
-            forward_s = time.perf_counter() - started - (sum(r.member.seq.stats.draft_s for r in batch) - drafting)
+            forward_s = time.perf_counter() - started - drafting_s
             self.step_cost.observe(sum(r.member.decoder.last_rows for r in batch), len(batch), forward_s)
+        self._observe_drafting(batch, [r.member.seq.stats.drafted - n for r, n in zip(batch, drafted)], drafting_s)
         if self.on_step is not None:
             self.on_step(batch)
         for r in batch:
             if self._after_round(r.job, r.member.seq.out) or r.member.seq.finished:
                 self._leave(r)
+
+    def _observe_drafting(self, batch: list[Running], drafted: list[int], seconds: float) -> None:
+        """The step's drafting, for the draft model's depth price (``DraftCost``): where every
+        sequence that drafted ran a chain of the draft model, its depths are the longest chain."""
+        chains = [n for r, n in zip(batch, drafted) if n > 0 and r.current.drafter == "draft-model"
+                  and not (r.current.tree_widths or r.current.dynamic_widths)]
+        if chains and len(chains) == sum(n > 0 for n in drafted):
+            self.draft_cost.observe(max(chains), sum(chains), seconds)
 
     def _control(self, batch: list[Running]) -> None:
         """Each controlled request's controller, before the step's round (it may switch strategy).
@@ -678,13 +692,17 @@ class DecodeWorker:
         stats = seq.stats
         entry = r.job.choice.entry
         prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
-        per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
-        if per_token is None:
-            per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
+        fixed, group = 0.0, None
+        if s.drafter == "draft-model" and self.draft_cost.known:  # batch-mates' drafts share each depth's forward
+            per_token, fixed, group = self.draft_cost.per_seq, self.draft_cost.fixed, "draft-model"
+        else:
+            per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
+            if per_token is None:
+                per_token = DRAFT_TOKEN_SHARE * self.step_cost.predict(1, 1)
         catch_up = self.catch_ups.get(s.drafter) if s.speculates and not r.drafter_synced else None
         return Candidate.of(s, acceptance_estimate(prior, stats.accepted, stats.drafted), per_token,
                             start_s=catch_up.predict(len(seq.prompt) + len(seq.out)) if catch_up is not None else 0.0,
-                            remaining=seq.config.max_new_tokens - len(seq.out))
+                            remaining=seq.config.max_new_tokens - len(seq.out), draft_fixed_s=fixed, draft_group=group)
 
     def _sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt
@@ -713,8 +731,9 @@ class DecodeWorker:
         return time.perf_counter() - started
 
     def profile_steps(self) -> None:
-        """Time batched target forwards at a few (rows, sequences): the step cost's start-up
-        profile (the real steps refine it)."""
+        """Time batched target forwards at a few (rows, sequences), and the draft model's depth
+        forward at each batch size: the step cost's and the draft cost's start-up profiles (the real
+        steps refine them)."""
         from autotune.measure.steps import choose_row_ways, step_shapes, time_steps
 
         lm = self.batch_target()
@@ -722,6 +741,13 @@ class DecodeWorker:
         if ways:
             log.info("batched rows run %s", ", ".join(f"{r}: {lm.row_ways[r]}" for r in sorted(ways)))
         self.step_cost = StepCost(time_steps(lm, step_shapes(self.max_batch)))
+        draft = next((d.drafter_of("draft-model").model for d in self.decoders.values() if d.drafter_of("draft-model")),
+                     None)
+        if draft is not None and not self.pool.compile:  # (a compiled draft would compile each new shape)
+            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch]
+            self.draft_cost = DraftCost([(seqs, t) for _, seqs, t in time_steps(draft, [(b, b) for b in sizes])])
+            log.info("a draft depth forward costs %.1f ms + %.1f ms a sequence", self.draft_cost.fixed * 1e3,
+                     self.draft_cost.per_seq * 1e3)
 
     def _leave(self, r: Running) -> None:
         """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""

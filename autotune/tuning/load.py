@@ -1,8 +1,10 @@
 """Speculation that adapts to load: how many tokens each sequence of a batch drafts this step.
 
-A batched step costs its drafting (per sequence, sequential draft forwards) plus one target forward
-over every sequence's rows. :class:`StepCost` prices that forward as a function of the batch's rows
-and sequences (fitted on a start-up profile and the real steps since), and
+A batched step costs its drafting plus one target forward over every sequence's rows.
+:class:`StepCost` prices that forward as a function of the batch's rows and sequences (fitted on a
+start-up profile and the real steps since); :class:`DraftCost` prices a draft model's depth
+forwards, each run once for every sequence drafting at that depth (a price per forward, shared,
+and one per sequence in it); and
 :func:`choose_lengths` picks each sequence's draft length (up to its strategy's, or none) to
 maximise the batch's goodput: expected tokens per second over the whole step (SmartSpec's goodput
 model; Leviathan's expected accepted length per sequence, ``(1 - a^(k+1)) / (1 - a)``).
@@ -24,6 +26,7 @@ from search_spaces.strategy import Strategy
 
 STEPS_KEPT = 256  # real steps the step cost is fitted on (with the start-up profile)
 CATCH_UPS_KEPT = 32  # a drafting model's latest catch-ups its price is fitted on
+DRAFT_STEPS_KEPT = 128  # a draft model's latest drafting phases its depth price is fitted on
 PRIOR_DRAFTS = 8  # pseudo-drafts of the route's acceptance before a sequence's own rounds count
 DEFAULT_ACCEPTANCE = 0.6  # a sequence of a route that stored no acceptance
 
@@ -54,14 +57,19 @@ class Candidate:
     # run yet (0: paid, or none), paid back over the ``remaining`` tokens it may still decode
     start_s: float = 0.0
     remaining: int = 1
+    # a depth forward's own price (``DraftCost.fixed``), paid once per depth by every candidate of
+    # one ``draft_group`` together (their drafts run as one batched forward); None: its own
+    draft_fixed_s: float = 0.0
+    draft_group: str | None = None
 
     @classmethod
     def of(cls, strategy: Strategy, acceptance: float, draft_token_s: float, start_s: float = 0.0,
-           remaining: int = 1) -> Candidate:
+           remaining: int = 1, draft_fixed_s: float = 0.0, draft_group: str | None = None) -> Candidate:
         """``strategy``'s candidate: its draft length (0 for plain decoding), rows and tree widths."""
         spec = strategy.speculates
         return cls(acceptance, strategy.draft_length if spec else 0, draft_token_s, strategy_rows(strategy),
-                   tuple(strategy.tree_widths or ()) if spec else (), start_s=start_s, remaining=remaining)
+                   tuple(strategy.tree_widths or ()) if spec else (), start_s=start_s, remaining=remaining,
+                   draft_fixed_s=draft_fixed_s, draft_group=draft_group)
 
     def start_share(self, tokens: float) -> float:
         """The catch-up's share of a round that appends ``tokens``: ``start_s`` spread evenly over
@@ -200,6 +208,42 @@ class CatchUpCost:
         return float(self.coef @ np.array([1.0, tokens])) if self.seen else 0.0
 
 
+class DraftCost:
+    """Seconds of a draft model's drafting in a batched step: every depth is one forward over the
+    sequences still drafting there (``runtime.batching.draft_together``), so a phase of ``depths``
+    forwards that drafted ``drafts`` tokens in all costs ``fixed * depths + per_seq * drafts``.
+    Priced per sequence alone (a lone request's seconds per drafted token), a depth for 4 sequences
+    cost 4 forwards where it runs one: measured on the Qwen2.5-Coder 0.5B draft (int4) on a 2-core
+    EPYC, 15 ms a forward for 1 sequence and 99 ms for 16. Fitted by non-negative least squares over
+    the start-up profile (one depth forward per batch size) and the latest real drafting phases;
+    ``known`` once they tell the two prices apart (two batch sizes seen)."""
+
+    def __init__(self, profile: Sequence[tuple[int, float]] = ()) -> None:
+        self.profile = [(1, m, t) for m, t in profile]  # (depths, drafts, seconds): one forward of m sequences
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=DRAFT_STEPS_KEPT)
+        self.fixed = self.per_seq = 0.0
+        self.known = False
+        self._fit()
+
+    def observe(self, depths: int, drafts: int, seconds: float) -> None:
+        if depths >= 1 and drafts >= depths and seconds > 0:
+            self.steps.append((depths, drafts, seconds))
+            if len(self.steps) % 8 == 0 or not self.known:
+                self._fit()
+
+    def forward_s(self, sequences: int) -> float:
+        """One depth forward for ``sequences`` sequences."""
+        return self.fixed + self.per_seq * sequences
+
+    def _fit(self) -> None:
+        data = self.profile + list(self.steps)
+        self.known = len({d / n for n, d, _ in data}) >= 2  # sequences per forward: two sizes at least
+        if not self.known:
+            return
+        coef, _ = nnls(np.array([[float(n), float(d)] for n, d, _ in data]), np.array([t for *_, t in data]))
+        self.fixed, self.per_seq = float(coef[0]), float(coef[1])
+
+
 def _row_weights(rows: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """Linear-interpolation weights of each row count on the knots (n x knots): constant below the
     first knot, the last segment's slope carried on past the last."""
@@ -218,32 +262,52 @@ def _row_weights(rows: np.ndarray, knots: np.ndarray) -> np.ndarray:
 def choose_shapes(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[Shape]:
     """Each candidate's draft this step, maximising expected tokens per second over the batch:
     drafts grow one option at a time (a token longer, or a tree a child wider), the most profitable
-    first, while the goodput rises and the step's rows stay within ``max_rows``."""
+    move first, while the goodput rises and the step's rows stay within ``max_rows``. A move is one
+    candidate's next option, or every candidate of a ``draft_group`` one option further together:
+    their depth forward's own price (``draft_fixed_s``) is paid once for all of them, so a single
+    candidate's first depth may not pay where the group's does."""
     options = [c.shapes() for c in candidates]
     at = [0] * len(candidates)  # every candidate starts at no draft (1 row, 1 token)
+    groups: dict[str, list[int]] = {}
+    for j, c in enumerate(candidates):
+        if c.draft_group is not None:
+            groups.setdefault(c.draft_group, []).append(j)
+    moves = [[j] for j in range(len(candidates))] + [g for g in groups.values() if len(g) > 1]
 
     def goodput(idx: list[int]) -> float:
         chosen = [o[i] for o, i in zip(options, idx)]
         seconds = cost.predict(sum(s.rows for s in chosen), len(idx))
-        seconds += sum(c.draft_token_s * s.length + (c.start_share(s.tokens) if s.length else 0.0)
-                       for c, s in zip(candidates, chosen))
+        shared: dict[str, float] = {}
+        for c, s in zip(candidates, chosen):
+            seconds += c.draft_token_s * s.length + (c.start_share(s.tokens) if s.length else 0.0)
+            if c.draft_group is None:
+                seconds += c.draft_fixed_s * s.length
+            else:  # one forward per depth for the whole group: its deepest draft's depths
+                shared[c.draft_group] = max(shared.get(c.draft_group, 0.0), c.draft_fixed_s * s.length)
+        seconds += sum(shared.values())
         return sum(s.tokens for s in chosen) / max(seconds, 1e-9)
 
     best = goodput(at)
     while True:
         rows = sum(o[i].rows for o, i in zip(options, at))
         gains = []
-        for j, o in enumerate(options):
-            if at[j] + 1 < len(o) and (max_rows is None or rows + o[at[j] + 1].rows - o[at[j]].rows <= max_rows):
-                trial = at.copy()
+        for move in moves:
+            step = [j for j in move if at[j] + 1 < len(options[j])]
+            if not step:
+                continue
+            added = sum(options[j][at[j] + 1].rows - options[j][at[j]].rows for j in step)
+            if max_rows is not None and rows + added > max_rows:
+                continue
+            trial = at.copy()
+            for j in step:
                 trial[j] += 1
-                gains.append((goodput(trial), j))
+            gains.append((goodput(trial), len(step), trial))
         if not gains:
             break
-        value, j = max(gains)
+        value, _, trial = max(gains, key=lambda g: (g[0], -g[1]))  # a tie goes to the smaller move
         if value <= best:
             break
-        best, at[j] = value, at[j] + 1
+        best, at = value, trial
     return [o[i] for o, i in zip(options, at)]
 
 

@@ -205,3 +205,58 @@ def test_a_strategys_candidate_has_its_length_rows_and_widths():
     assert (chain.max_length, chain.widths, chain.rows(5)) == (5, (), 6)
     plain = Candidate.of(PLAIN, 0.9, 0.0)
     assert (plain.max_length, plain.widths, [s.length for s in plain.shapes()]) == (0, (), [0])
+
+
+def test_a_draft_models_depth_forward_is_priced_once_and_per_sequence():
+    """``DraftCost``: a depth forward of m sequences costs ``fixed + per_seq * m``; one batch size
+    cannot tell the two apart (not known); real drafting phases (depths, drafts) move the fit."""
+    from autotune.tuning.load import DraftCost
+
+    cost = DraftCost([(m, 0.012 + 0.004 * m) for m in (1, 2, 4, 8, 16)])
+    assert cost.known and cost.fixed == pytest.approx(0.012) and cost.per_seq == pytest.approx(0.004)
+    assert cost.forward_s(4) == pytest.approx(0.028)
+    assert not DraftCost([(1, 0.016)]).known
+    lone = DraftCost([(1, 0.016)])
+    lone.observe(3, 3, 0.048)  # alone again: still one size
+    assert not lone.known
+    lone.observe(2, 8, 2 * 0.012 + 8 * 0.004)  # two depths for four sequences
+    assert lone.known and lone.forward_s(4) < 4 * lone.forward_s(1)
+    for _ in range(64):
+        cost.observe(3, 12, 3 * 0.012 + 12 * 0.006)  # real phases of 4 sequences: 36 ms a depth, not 28
+    assert 0.034 < cost.forward_s(4) <= 0.036 + 1e-9
+    cost.observe(0, 0, 1.0)  # nothing drafted: not a phase
+    assert all(d >= 1 for d, _, _ in cost.steps)
+
+
+def test_a_batch_drafts_where_its_shared_depth_forward_pays_though_one_sequence_alone_would_not():
+    """On a flat 100 ms step, a depth forward of 20 ms plus 1 ms a sequence: one sequence's first
+    draft token does not pay for a whole forward (4.6 tokens in 121 ms against 4 in 100), four
+    together do (6.4 in 124 ms). Priced per sequence (21 ms each, no group) the batch drafts nothing;
+    as a group, every sequence drafts."""
+    from autotune.tuning.load import choose_shapes
+
+    flat = StepCost([(r, s, 0.1) for r in (1, 8, 64) for s in (1, 4, 16) if s <= r])
+    shared = [Candidate(0.6, 4, 0.001, draft_fixed_s=0.02, draft_group="draft-model")] * 4
+    assert all(s.length >= 1 for s in choose_shapes(shared, flat))
+    apart = [Candidate(0.6, 4, 0.021)] * 4
+    assert [s.length for s in choose_shapes(apart, flat)] == [0, 0, 0, 0]
+    # a candidate outside the group pays its own forwards: the lookup beside them is unaffected
+    mixed = shared[:3] + [Candidate(0.6, 4, 0.0)]
+    got = choose_shapes(mixed, flat)
+    assert all(s.length >= 1 for s in got)
+
+
+def test_the_shared_price_choice_against_brute_force():
+    """Two draft-model sequences sharing their depth forwards and a prompt lookup: the choice
+    reaches the best goodput of every combination of lengths."""
+    cost = _cpu_like()
+    cands = [Candidate(0.85, 4, 0.002, draft_fixed_s=0.012, draft_group="d"),
+             Candidate(0.6, 4, 0.002, draft_fixed_s=0.012, draft_group="d"), Candidate(0.5, 3, 0.0)]
+
+    def goodput(ks):
+        rows = sum(1 + k for k in ks)
+        seconds = cost.predict(rows, 3) + 0.002 * (ks[0] + ks[1]) + 0.012 * max(ks[0], ks[1])
+        return sum(expected_tokens(c.acceptance, k) for c, k in zip(cands, ks)) / seconds
+
+    best = max(((a, b, c) for a in range(5) for b in range(5) for c in range(4)), key=goodput)
+    assert goodput(choose_lengths(cands, cost)) == pytest.approx(goodput(list(best)), rel=1e-9)

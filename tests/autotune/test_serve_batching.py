@@ -85,6 +85,25 @@ def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(
     assert metric(running.url, "autotune:batch_size_count") >= len(sizes)
 
 
+def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_drafting_there(live):
+    """At start-up the server times the draft model's depth forward for 1, 2, 4 and 8 sequences
+    (``DraftCost``); batched steps where chains drafted refine it, each phase with fewer forwards
+    than drafts."""
+    running, ids, _ = live
+    worker = running.server.worker
+    cost = worker.draft_cost
+    assert cost.known and [m for _, m, _ in cost.profile] == [1, 2, 4, 8]
+    assert 0 < cost.forward_s(1) <= cost.forward_s(8) < 8 * cost.forward_s(1)
+    seen = list(cost.steps)
+    worker.load_aware = False
+    try:
+        _together(running, list(zip(routing_texts("humaneval", 2, 20), [ids["chain"]] * 2)))
+    finally:
+        worker.load_aware = True
+    new = list(cost.steps)[len(seen):] if len(seen) < cost.steps.maxlen else list(cost.steps)
+    assert any(drafts > depths for depths, drafts, _ in new), new  # two chains drafted in one phase
+
+
 def test_a_request_that_leaves_does_not_stop_its_batch_mates(live):
     """Three requests together, one of them with a budget of 4 tokens: it leaves after a few
     steps; the others go on and still equal their solo answers."""
