@@ -159,9 +159,9 @@ class DecodeWorker:
         # a drafting model's catch-up over a sequence (its prompt and first tokens,
         # ``_sync_drafters``), by drafter kind: what starting to draft costs a request
         self.catch_ups: dict[str, CatchUpCost] = {}
-        # the draft model's depth forwards in a batched step (``profile_steps``, then the real steps):
-        # one forward per depth for every sequence drafting there, priced once for them all
-        self.draft_cost = DraftCost()
+        # each draft model's depth forwards in a batched step (``profile_steps``, then the real steps),
+        # by its weights (``draft_key``): one forward per depth for every sequence drafting there
+        self.draft_costs: dict[str, DraftCost] = {}
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.on_done = on_done
         self.adapter: Any = None  # ``adaptive.Adapter``: drift detection and re-tuning (serve --adaptive)
@@ -643,11 +643,14 @@ class DecodeWorker:
 
     def _observe_drafting(self, batch: list[Running], drafted: list[int], seconds: float) -> None:
         """The step's drafting, for the draft model's depth price (``DraftCost``): where every
-        sequence that drafted ran a chain of the draft model, its depths are the longest chain."""
-        chains = [n for r, n in zip(batch, drafted) if n > 0 and r.current.drafter == "draft-model"
-                  and not (r.current.tree_widths or r.current.dynamic_widths)]
-        if chains and len(chains) == sum(n > 0 for n in drafted):
-            self.draft_cost.observe(max(chains), sum(chains), seconds)
+        sequence that drafted ran a chain of one draft model, its depths are the longest chain."""
+        drafting = [(r, n) for r, n in zip(batch, drafted) if n > 0]
+        keys = {draft_key(r.member.decoder) for r, _ in drafting}
+        if not drafting or len(keys) != 1 or None in keys \
+                or any(r.current.tree_widths or r.current.dynamic_widths for r, _ in drafting):
+            return
+        chains = [n for _, n in drafting]
+        self.draft_costs.setdefault(keys.pop(), DraftCost()).observe(max(chains), sum(chains), seconds)
 
     def _control(self, batch: list[Running]) -> None:
         """Each controlled request's controller, before the step's round (it may switch strategy).
@@ -693,8 +696,10 @@ class DecodeWorker:
         entry = r.job.choice.entry
         prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
         fixed, group = 0.0, None
-        if s.drafter == "draft-model" and self.draft_cost.known:  # batch-mates' drafts share each depth's forward
-            per_token, fixed, group = self.draft_cost.per_seq, self.draft_cost.fixed, "draft-model"
+        key = draft_key(r.member.decoder) if s.drafter == "draft-model" else None
+        shared = self.draft_costs.get(key) if key is not None else None
+        if shared is not None and shared.known:  # batch-mates drafting with its weights share each depth's forward
+            per_token, fixed, group = shared.per_seq, shared.fixed, key
         else:
             per_token = stats.draft_s / stats.drafted if stats.drafted else self.draft_token_s.get(s.drafter)
             if per_token is None:
@@ -741,13 +746,13 @@ class DecodeWorker:
         if ways:
             log.info("batched rows run %s", ", ".join(f"{r}: {lm.row_ways[r]}" for r in sorted(ways)))
         self.step_cost = StepCost(time_steps(lm, step_shapes(self.max_batch)))
-        draft = next((d.drafter_of("draft-model").model for d in self.decoders.values() if d.drafter_of("draft-model")),
-                     None)
-        if draft is not None and not self.pool.compile:  # (a compiled draft would compile each new shape)
-            sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch]
-            self.draft_cost = DraftCost([(seqs, t) for _, seqs, t in time_steps(draft, [(b, b) for b in sizes])])
-            log.info("a draft depth forward costs %.1f ms + %.1f ms a sequence", self.draft_cost.fixed * 1e3,
-                     self.draft_cost.per_seq * 1e3)
+        if self.pool.compile:  # a compiled draft would compile each new shape: real steps price it
+            return
+        drafts = {draft_key(d): d.drafter_of("draft-model").model for d in self.decoders.values() if draft_key(d)}
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch]
+        for key, model in drafts.items():
+            cost = self.draft_costs[key] = DraftCost([(seqs, t) for _, seqs, t in time_steps(model, [(b, b) for b in sizes])])
+            log.info("a draft depth forward costs %.1f ms + %.1f ms a sequence", cost.fixed * 1e3, cost.per_seq * 1e3)
 
     def _leave(self, r: Running) -> None:
         """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
@@ -834,6 +839,17 @@ class DecodeWorker:
     def _release(job: Job, text: str) -> None:
         if text and job.streamed:
             job.emit("delta", text)
+
+
+def draft_key(decoder: Decoder) -> str | None:
+    """Which draft model's weights ``decoder`` drafts with (its draft-model drafter, drafting or on
+    standby; None: none): sequences with the same key run each draft depth as one forward
+    (``runtime.batching.draft_together`` groups them by the same weights)."""
+    drafter = decoder.drafter_of("draft-model")
+    if drafter is None:
+        return None
+    model = drafter.model
+    return f"draft-model:{id(getattr(model, 'linears', model))}:{id(getattr(model, 'head', model))}"
 
 
 def _fit_rows(strategy: Strategy, max_rows: int | None) -> int | None:

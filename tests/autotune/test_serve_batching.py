@@ -91,7 +91,12 @@ def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_draftin
     than drafts."""
     running, ids, _ = live
     worker = running.server.worker
-    cost = worker.draft_cost
+    from autotune.serving.worker import draft_key
+
+    chain, tree = STRATEGIES["chain"][1], STRATEGIES["tree"][1]
+    key = draft_key(worker.decoder(chain))
+    assert key is not None and key == draft_key(worker.decoder(tree))  # one int8 copy of the draft drafts both
+    cost = worker.draft_costs[key]
     assert cost.known and [m for _, m, _ in cost.profile] == [1, 2, 4, 8]
     assert 0 < cost.forward_s(1) <= cost.forward_s(8) < 8 * cost.forward_s(1)
     seen = list(cost.steps)
