@@ -646,8 +646,9 @@ class DecodeWorker:
         sequence that drafted ran a chain of one draft model, its depths are the longest chain."""
         drafting = [(r, n) for r, n in zip(batch, drafted) if n > 0]
         keys = {draft_key(r.member.decoder) for r, _ in drafting}
-        if not drafting or len(keys) != 1 or None in keys \
-                or any(r.current.tree_widths or r.current.dynamic_widths for r, _ in drafting):
+        if not drafting or len(keys) != 1 or None in keys or any(
+                r.current.drafter != "draft-model" or r.current.tree_widths or r.current.dynamic_widths
+                for r, _ in drafting):  # (a lookup copy drafts free, though its decoder holds a draft model)
             return
         chains = [n for _, n in drafting]
         self.draft_costs.setdefault(keys.pop(), DraftCost()).observe(max(chains), sum(chains), seconds)

@@ -260,3 +260,33 @@ def test_the_shared_price_choice_against_brute_force():
 
     best = max(((a, b, c) for a in range(5) for b in range(5) for c in range(4)), key=goodput)
     assert goodput(choose_lengths(cands, cost)) == pytest.approx(goodput(list(best)), rel=1e-9)
+
+
+def test_a_step_is_recorded_as_a_draft_models_phase_only_where_every_drafter_ran_its_chains():
+    """``DecodeWorker._observe_drafting``: two chains of one draft model's weights are a phase
+    (depths: the longer chain); a prompt-lookup copy beside them (free, though its decoder holds the
+    draft model on standby), a tree, or a second draft model's chain is not."""
+    from types import SimpleNamespace
+
+    from autotune.serving.worker import DecodeWorker, draft_key
+    from search_spaces.strategy import PLAIN, Strategy
+
+    weights = SimpleNamespace(linears=object(), head=object())
+    other = SimpleNamespace(linears=object(), head=object())
+
+    def running(strategy, model=weights):
+        drafter = SimpleNamespace(model=model)
+        decoder = SimpleNamespace(drafter_of=lambda kind: drafter if kind == "draft-model" else None)
+        return SimpleNamespace(current=strategy, member=SimpleNamespace(decoder=decoder))
+
+    chain = Strategy(drafter="draft-model", draft_length=4)
+    a, b = running(chain), running(chain)
+    worker = SimpleNamespace(draft_costs={})
+    DecodeWorker._observe_drafting(worker, [a, b, running(PLAIN)], [3, 2, 0], 0.05)
+    key = draft_key(a.member.decoder)
+    assert list(worker.draft_costs) == [key] and list(worker.draft_costs[key].steps) == [(3, 5, 0.05)]
+    for mate in (running(Strategy(drafter="prompt-lookup", draft_length=4)),
+                 running(Strategy(drafter="draft-model", draft_length=3, tree_widths=(2, 2, 1))),
+                 running(chain, other)):
+        DecodeWorker._observe_drafting(worker, [a, mate], [3, 2], 0.05)
+    assert list(worker.draft_costs[key].steps) == [(3, 5, 0.05)] and len(worker.draft_costs) == 1
