@@ -15,11 +15,16 @@ from runtime.transformer import BatchPart, CausalLM
 PROFILE_CONTEXT = 256  # tokens each profiled sequence holds (attention over zeros costs the same)
 
 
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes a start-up profile times: 1, 2, 4, ... up to ``max_batch`` (at least 1)."""
+    return [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch] or [1]
+
+
 def step_shapes(max_batch: int, lengths: Sequence[int] = (0, 4)) -> list[tuple[int, int]]:
     """(rows, sequences) to time: batch sizes 1, 2, 4, ... up to ``max_batch``, each with every
     sequence verifying ``1 + k`` rows for each draft length ``k`` of ``lengths``, and each batch's
     plain step's rows as one sequence (what the sequences add, apart from their rows)."""
-    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch] or [1]
+    sizes = batch_sizes(max_batch)
     return sorted({(b * (1 + k), b) for b in sizes for k in lengths} | {(b, 1) for b in sizes})
 
 

@@ -740,7 +740,7 @@ class DecodeWorker:
         """Time batched target forwards at a few (rows, sequences), and the draft model's depth
         forward at each batch size: the step cost's and the draft cost's start-up profiles (the real
         steps refine them)."""
-        from autotune.measure.steps import choose_row_ways, step_shapes, time_steps
+        from autotune.measure.steps import batch_sizes, choose_row_ways, step_shapes, time_steps
 
         lm = self.batch_target()
         ways = choose_row_ways(lm, self.max_batch_rows or self.max_batch * self.verify_width)
@@ -750,9 +750,9 @@ class DecodeWorker:
         if self.pool.compile:  # a compiled draft would compile each new shape: real steps price it
             return
         drafts = {draft_key(d): d.drafter_of("draft-model").model for d in self.decoders.values() if draft_key(d)}
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= self.max_batch]
+        shapes = [(b, b) for b in batch_sizes(self.max_batch)]  # one depth: a row for each sequence
         for key, model in drafts.items():
-            cost = self.draft_costs[key] = DraftCost([(seqs, t) for _, seqs, t in time_steps(model, [(b, b) for b in sizes])])
+            cost = self.draft_costs[key] = DraftCost([(seqs, t) for _, seqs, t in time_steps(model, shapes)])
             log.info("a draft depth forward costs %.1f ms + %.1f ms a sequence", cost.fixed * 1e3, cost.per_seq * 1e3)
 
     def _leave(self, r: Running) -> None:
