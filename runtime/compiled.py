@@ -38,12 +38,26 @@ def compile_mode(device: torch.device) -> str:
     return "reduce-overhead" if cuda_graphs(device) else "default"
 
 
-def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled whole (no graph breaks), static shapes."""
+RECOMPILE_LIMIT = 2 * MAX_COMPILED_STEPS  # dynamo's graphs per code object (one ``_step`` serves every shape)
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's recompile limits, and fail rather than run eager past them, **in the calling
+    thread**: torch keeps a config set in code as a per-thread override (torch 2.13), so a limit
+    raised where a server compiled its steps at start-up did not hold in its decode thread, where
+    the ninth graph of ``_step`` (a new strategy's or shape's) failed the request (found by
+    ``tools/gpu_serve_check.py --compile``). Called wherever compiled steps are built or run."""
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, 2 * MAX_COMPILED_STEPS)
+    if cfg.recompile_limit >= RECOMPILE_LIMIT and cfg.fail_on_recompile_limit_hit:
+        return
+    cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * MAX_COMPILED_STEPS)
     cfg.fail_on_recompile_limit_hit = True  # never run eager silently
+
+
+def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled whole (no graph breaks), static shapes."""
+    allow_recompiles()
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode(device))
 
 
@@ -54,7 +68,9 @@ def bucketed(capacity: int, step: int = CAPACITY_BUCKET) -> int:
 
 def run_step(step: Callable[..., torch.Tensor], device: torch.device, *args: Any) -> torch.Tensor:
     """Call a compiled step. Under CUDA graphs each call is a new step whose output buffer the next
-    replay overwrites, so the logits are copied out."""
+    replay overwrites, so the logits are copied out. The recompile limits are made to hold in the
+    calling thread first (``allow_recompiles``)."""
+    allow_recompiles()
     if not cuda_graphs(device):
         return step(*args)
     torch.compiler.cudagraph_mark_step_begin()

@@ -28,7 +28,7 @@ from runtime.linear import (
 )
 from runtime.linear import run_rows as run_linear_rows
 from runtime.quant import Int4Weights
-from runtime.slots import SlotCache, slot_parts, slot_step
+from runtime.slots import SlotCache, SlotView, slot_parts, slot_step
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -339,6 +339,13 @@ class CausalLM:
         cp = None if plan is None or plan.is_identity else self.compiled(plan)
         if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
+        if (self._compiled_step is not None and not prefill and cp is None and full is None and self.recorder is None
+                and isinstance(cache, SlotView) and cuda_graphs(self.device)):
+            # a lone request's step on its K/V slot (serve --compile) runs as the batched steps run:
+            # the row bucket's graph over the whole slot cache, which CUDA graphs replay (a graph
+            # of the slot's own view was not replayed on an H200: inductor skipped it for "mutated
+            # inputs", the view not being the static tensor)
+            return slot_step(self, cache.owner, [BatchPart(tokens, cache, positions, rel_mask, logits_for)])[0]
         args = (tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, start + t if prefill else None)
         if self._compiled_step is not None and not prefill and self.recorder is None:
             note_step(step_key(self, tokens, rel_mask, cp, positions is None, full is None,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from runtime.linear import ROW_WAYS
+from runtime.slots import SlotCache
 from runtime.transformer import BatchPart, CausalLM
 
 PROFILE_CONTEXT = 256  # tokens each profiled sequence holds (attention over zeros costs the same)
@@ -29,23 +30,40 @@ def step_shapes(max_batch: int, lengths: Sequence[int] = (0, 4)) -> list[tuple[i
 
 
 def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = PROFILE_CONTEXT,
-               repeats: int = 1) -> list[tuple[int, int, float]]:
+               repeats: int = 1, slots: SlotCache | None = None) -> list[tuple[int, int, float]]:
     """-> (rows, sequences, seconds) per shape: the best of ``repeats`` timed forwards after one
-    untimed (warm) forward."""
+    untimed (warm) forward. With ``slots`` (a compiled server's K/V slots) each sequence holds a
+    slot, so the step runs as the server's batched steps run (``runtime.slots.slot_step``: the
+    compiled graph of the row bucket) rather than as eager ragged forwards over caches of their own."""
     out = []
     with torch.inference_mode():
         for rows, seqs in shapes:
             per = [rows // seqs + (1 if i < rows % seqs else 0) for i in range(seqs)]
-            caches = [lm.new_cache(context + n) for n in per]
+            holders = [object() for _ in per]
+            if slots is None:
+                held, caches = context, [lm.new_cache(context + n) for n in per]
+            else:
+                held = min(context, slots.capacity - max(per))
+                caches = [slots.take(h, slots.capacity) for h in holders]
+                if any(c is None for c in caches):
+                    raise ValueError(f"{seqs} sequences need {seqs} free slots; the slot cache has {slots.free}")
             parts = [BatchPart(torch.zeros(n, dtype=torch.long, device=lm.device), c) for n, c in zip(per, caches)]
             best = float("inf")
-            for attempt in range(repeats + 1):
-                for cache in caches:
-                    cache.length = context
-                started = time.perf_counter()
-                lm.forward_batch(parts)
-                if attempt:
-                    best = min(best, time.perf_counter() - started)
+            try:
+                for attempt in range(repeats + 1):
+                    for cache in caches:
+                        cache.length = held
+                    if lm.device.type == "cuda":
+                        torch.cuda.synchronize(lm.device)
+                    started = time.perf_counter()
+                    lm.forward_batch(parts)
+                    if lm.device.type == "cuda":
+                        torch.cuda.synchronize(lm.device)
+                    if attempt:
+                        best = min(best, time.perf_counter() - started)
+            finally:
+                for h in holders if slots is not None else ():
+                    slots.give_back(h)
             out.append((rows, seqs, best))
     return out
 

@@ -482,8 +482,7 @@ class DecodeWorker:
             return 0.0
         started = time.perf_counter()
         lm, holder = self.batch_target(), object()
-        limit = row_bucket(self.max_batch_rows or self.max_batch * max(self.verify_width, 1))
-        for rows in [b for b in ROW_BUCKETS if b <= limit]:
+        for rows in [b for b in ROW_BUCKETS if b <= self._bucket_limit()]:
             cache = self.slots.take(holder, rows)
             if cache is None:
                 break
@@ -491,6 +490,11 @@ class DecodeWorker:
                 lm.forward_batch([BatchPart(torch.zeros(rows, dtype=torch.long, device=lm.device), cache)])
         self.slots.give_back(holder)
         return time.perf_counter() - started
+
+    def _bucket_limit(self) -> int:
+        """The widest row bucket a batched step can reach: the step's row budget, else every
+        sequence at the verify width."""
+        return row_bucket(self.max_batch_rows or self.max_batch * max(self.verify_width, 1))
 
     def _run(self) -> None:
         try:
@@ -728,12 +732,19 @@ class DecodeWorker:
         """Decode a short dummy prompt with each servable strategy while ``/health`` says loading,
         not inside a request: the prefill's weight copies are built (a quantised model's bf16
         copies), each drafting model runs once, and under ``serve --compile`` the compiled steps of
-        the first cache-size bucket are built -> seconds spent."""
+        the first cache-size bucket are built -> seconds spent. Each decodes as a request would
+        (``acquire``): with K/V slots (``use_slots``, called first) a lone request's steps run on
+        its slot, a cache of the slot's size, whose graphs a decode on a cache of its own would not
+        build (the first request alone compiled one)."""
         started = time.perf_counter()
         prompt = list(range(1, 9))
         for strategy in dict.fromkeys([PLAIN, *strategies]):
             if self.servable(strategy) is None:
-                self.decoder(strategy).generate(prompt, GenerationConfig(max_new_tokens=tokens))
+                dec = self.acquire(strategy)
+                try:
+                    dec.generate(prompt, GenerationConfig(max_new_tokens=tokens))
+                finally:
+                    self.release(strategy, dec)
         return time.perf_counter() - started
 
     def profile_steps(self) -> None:
@@ -746,7 +757,10 @@ class DecodeWorker:
         ways = choose_row_ways(lm, self.max_batch_rows or self.max_batch * self.verify_width)
         if ways:
             log.info("batched rows run %s", ", ".join(f"{r}: {lm.row_ways[r]}" for r in sorted(ways)))
-        self.step_cost = StepCost(time_steps(lm, step_shapes(self.max_batch)))
+        shapes = step_shapes(self.max_batch)
+        if self.slots is not None:  # the compiled buckets' steps over K/V slots, as requests run them
+            shapes = [(r, s) for r, s in shapes if r <= self._bucket_limit() and s <= self.slots.free]
+        self.step_cost = StepCost(time_steps(lm, shapes, slots=self.slots))
         if self.pool.compile:  # a compiled draft would compile each new shape: real steps price it
             return
         drafts = {draft_key(d): d.drafter_of("draft-model").model for d in self.decoders.values() if draft_key(d)}

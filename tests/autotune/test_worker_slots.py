@@ -29,6 +29,14 @@ def test_a_compiled_worker_keeps_sequences_in_slots_and_compiles_each_row_bucket
     assert worker.compile_buckets() > 0
     assert NEW_STEPS[0] - before == 5  # row buckets 1, 2, 4, 8, 16: one graph each
     assert worker.slots.free == worker.slots.n_slots  # the warm-up's slot was given back
+    lm, padded = worker.batch_target(), []
+    forward_rows = lm.forward_rows
+    lm.forward_rows = lambda tokens, *rest: (padded.append(tokens.shape[0]), forward_rows(tokens, *rest))[1]
+    worker.profile_steps()  # the step-cost profile times the compiled slot steps requests will run
+    del lm.forward_rows
+    assert NEW_STEPS[0] - before == 5  # ... with no graph of its own
+    assert sorted(set(padded)) == [1, 2, 4, 8, 16] and len(padded) == 2 * len(worker.step_cost.profile)
+    assert max(r for r, _, _ in worker.step_cost.profile) <= 16 and worker.slots.free == worker.slots.n_slots
     dec = worker.acquire(PLAIN)
     assert dec.target.slots is worker.slots
     with torch.inference_mode():
@@ -87,3 +95,32 @@ def test_unknown_requests_start_on_a_draft_only_where_this_server_measured_it_pa
     lookup = Strategy(drafter="prompt-lookup", draft_length=4)
     assert worker.unknown_start(lookup) == lookup
     assert worker.unknown_start(PLAIN) == PLAIN
+
+
+def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs_replay(monkeypatch):
+    """On CUDA a lone request's compiled step on its slot runs as a batched step (the row bucket's
+    graph over the whole slot cache, the tensor CUDA graphs hold by address): a graph of the
+    slot's own view was skipped by inductor on an H200 ("mutated inputs"). Forced here on the
+    CPU: the lone decode (plain, then prompt lookup's verifies) goes through the bucket graphs and
+    returns what the eager decode returns."""
+    import runtime.transformer
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    cfg = GenerationConfig(max_new_tokens=12)
+    lookup = Strategy(drafter="prompt-lookup", draft_length=3)
+    eager = _worker(compile=False)
+    want = [eager.decoder(s).generate(prompt, cfg).tokens for s in (PLAIN, lookup)]
+    monkeypatch.setattr(runtime.transformer, "cuda_graphs", lambda device: True)
+    worker = _worker(compile=True)
+    worker.use_slots(64)
+    padded: list[int] = []
+    for strategy, tokens in zip((PLAIN, lookup), want):
+        dec = worker.acquire(strategy)
+        forward_rows = dec.target.forward_rows
+        dec.target.forward_rows = lambda t, *rest, f=forward_rows: (padded.append(t.shape[0]), f(t, *rest))[1]
+        with torch.inference_mode():
+            got = dec.generate(prompt, cfg)
+        worker.release(strategy, dec)
+        assert got.tokens == tokens
+    assert got.stats.drafted > 0
+    assert padded and set(padded) <= {1, 2, 4, 8} and max(padded) >= 4  # lookup's verifies: 4 rows

@@ -129,3 +129,29 @@ def test_compiled_cuda_steps_reuse_one_static_cache_per_capacity(weights):
         assert getattr(t, "_dynamo_static_input_type", None) == "unguarded"
     lm.compile_steps()  # on the CPU a compiled wrapper still gets a fresh cache each time
     assert lm.new_cache(10, reuse=True) is not lm.new_cache(10, reuse=True)
+
+
+def test_compiled_steps_run_under_the_raised_recompile_limits_in_any_thread():
+    """torch keeps a dynamo config set in code per thread: a server compiles at start-up in one
+    thread and decodes in another, where the default limit (8 graphs of ``_step``) failed a
+    request once several strategies had compiled. ``run_step`` raises the limits in the thread it
+    runs in (the step here records what its thread sees)."""
+    import threading
+
+    seen: list[tuple[int, bool]] = []
+
+    def step() -> torch.Tensor:
+        cfg = torch._dynamo.config
+        seen.append((cfg.recompile_limit, cfg.fail_on_recompile_limit_hit))
+        return torch.zeros(1)
+
+    def fresh_thread() -> None:
+        seen.append((torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit))
+        runtime.compiled.run_step(step, torch.device("cpu"))
+
+    runtime.compiled.allow_recompiles()  # as compile_step does, in this thread
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert seen[0][0] < runtime.compiled.RECOMPILE_LIMIT  # a new thread starts from torch's defaults
+    assert seen[1] == (runtime.compiled.RECOMPILE_LIMIT, True)
