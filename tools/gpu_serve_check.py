@@ -3,7 +3,15 @@ slots, one compiled graph per row bucket, CUDA graphs on CUDA), on random weight
 tokenizer (the packaged GGUF weights do not travel to a lent GPU machine; the tokenizer files do).
 
     python tools/gpu_serve_check.py --tokenizer DIR [--compile] [--device cuda] [--dtype bfloat16]
-        [--model qwen2.5-coder-1.5b] [--max-batch-rows 16] [--tokens 48] [--json OUT.json]
+        [--model qwen2.5-coder-1.5b] [--max-batch-rows 32] [--tokens 48] [--json OUT.json]
+        [--plain-only --no-control]        # four plain requests: the shortest compiled start-up
+
+On a lent GPU machine (docs/benchmarks.md, "Batched serving on a GPU"): copy the tokenizer files
+of a packaged model (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+``config.json`` from ``~/.cache/autotune/models/<model>-*/``) into an ignored folder and carry it.
+The four-strategy compiled start-up took over 7 minutes on an H200 (the plain one 147 s): give
+``--compile`` a time limit to match. ``--max-batch-rows`` must hold the four requests' rows (24
+here), or the batch's step would compile a bucket inside the requests.
 
 The server runs in this process (uvicorn in a thread, HTTP on loopback). The draft is the target
 itself, so chains and trees are accepted and verifies are wide even on random weights. Four
@@ -11,7 +19,7 @@ requests (plain, a draft chain, a draft tree, prompt lookup), each pinned to its
 one at a time, then all at once (the worker holds the first until the others queue, and drafts at
 each strategy's own length): per request, whether its token ids equal its solo answer, where they
 first part, and what it drafted. Also: start-up seconds (the compiled buckets' share), the
-batch sizes and rows of the steps, tokens/s alone and together, and under ``--compile`` the graphs
+steps' rows and time by batch size, tokens/s alone and together, and under ``--compile`` the graphs
 compiled and CUDA-graph skips counted by torch during the requests (0 and 0: every step replayed a
 graph built at start-up). DESIGN.md: bf16 on a GPU is not batch-invariant, so this reports
 agreement; identity is the fp32 CPU claim.
