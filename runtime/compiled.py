@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ def compile_mode(device: torch.device) -> str:
 
 
 RECOMPILE_LIMIT = 2 * MAX_COMPILED_STEPS  # dynamo's graphs per code object (one ``_step`` serves every shape)
+# whether ``allow_recompiles`` ran in this context: torch keeps its config overrides in context
+# variables, so this flag has exactly their scope (a thread, or a copied context)
+_LIMITS_RAISED: ContextVar[bool] = ContextVar("autotune_recompile_limits_raised", default=False)
 
 
 def allow_recompiles() -> None:
@@ -47,12 +51,13 @@ def allow_recompiles() -> None:
     raised where a server compiled its steps at start-up did not hold in its decode thread, where
     the ninth graph of ``_step`` (a new strategy's or shape's) failed the request (found by
     ``tools/gpu_serve_check.py --compile``). Called wherever compiled steps are built or run."""
-    cfg = torch._dynamo.config
-    if cfg.recompile_limit >= RECOMPILE_LIMIT and cfg.fail_on_recompile_limit_hit:
+    if _LIMITS_RAISED.get():  # every compiled step passes here: one context-variable read
         return
+    cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * MAX_COMPILED_STEPS)
     cfg.fail_on_recompile_limit_hit = True  # never run eager silently
+    _LIMITS_RAISED.set(True)
 
 
 def compile_step(fn: Callable[..., torch.Tensor], device: torch.device) -> Callable[..., torch.Tensor]:

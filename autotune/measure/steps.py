@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autotune.tuning.cost_model import sync_device
 from runtime.linear import ROW_WAYS
 from runtime.slots import SlotCache
 from runtime.transformer import BatchPart, CausalLM
@@ -39,7 +40,7 @@ def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = P
     with torch.inference_mode():
         for rows, seqs in shapes:
             per = [rows // seqs + (1 if i < rows % seqs else 0) for i in range(seqs)]
-            holders = [object() for _ in per]
+            holders = [] if slots is None else [object() for _ in per]
             if slots is None:
                 held, caches = context, [lm.new_cache(context + n) for n in per]
             else:
@@ -53,16 +54,14 @@ def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = P
                 for attempt in range(repeats + 1):
                     for cache in caches:
                         cache.length = held
-                    if lm.device.type == "cuda":
-                        torch.cuda.synchronize(lm.device)
+                    sync_device(lm.device)
                     started = time.perf_counter()
                     lm.forward_batch(parts)
-                    if lm.device.type == "cuda":
-                        torch.cuda.synchronize(lm.device)
+                    sync_device(lm.device)
                     if attempt:
                         best = min(best, time.perf_counter() - started)
             finally:
-                for h in holders if slots is not None else ():
+                for h in holders:
                     slots.give_back(h)
             out.append((rows, seqs, best))
     return out

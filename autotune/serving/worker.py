@@ -759,7 +759,7 @@ class DecodeWorker:
             log.info("batched rows run %s", ", ".join(f"{r}: {lm.row_ways[r]}" for r in sorted(ways)))
         shapes = step_shapes(self.max_batch)
         if self.slots is not None:  # the compiled buckets' steps over K/V slots, as requests run them
-            shapes = [(r, s) for r, s in shapes if r <= self._bucket_limit() and s <= self.slots.free]
+            shapes = [(r, s) for r, s in shapes if r <= self._bucket_limit()]  # (a slot each: max_batch + 1 slots)
         self.step_cost = StepCost(time_steps(lm, shapes, slots=self.slots))
         if self.pool.compile:  # a compiled draft would compile each new shape: real steps price it
             return

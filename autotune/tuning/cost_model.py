@@ -50,7 +50,7 @@ class CostModel(Protocol):
     def observe_plain(self, measured_s: float) -> None: ...
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued kernels (on CUDA a forward returns once its kernels are launched)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -61,10 +61,10 @@ def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.
         fn()
     samples = []
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
