@@ -37,6 +37,9 @@ def add_parser(sub: Any) -> None:
                         "(default 1; 0: none): a fresh server's first requests run slower")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
                    "strategy ids (default plain,default,auto)")
+    p.add_argument("--compare", metavar="MODE",
+                   help="set MODE against the best other mode at each concurrency: pooled ratio, each round's "
+                        "ratio and a 95%% interval over the rounds (default: auto, when measured)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
     p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per request (default 96)")
     p.add_argument("--timeout", type=float, default=ReplaySettings.timeout_s, help="seconds to wait for one response")
@@ -67,10 +70,13 @@ def _levels(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.measure.loadtest import format_points, load_test, read_points
+    from autotune.measure.loadtest import compare, format_comparisons, format_points, load_test, read_points
 
     servers = _servers(args.url)
     levels, modes = _levels(args.concurrency), parse_modes(args.mode)
+    if args.compare is not None and args.compare not in modes:
+        raise CliError(f"--compare {args.compare!r} is not among --mode {','.join(modes)}; name one of them")
+    compared = args.compare or "auto"
     requests = stream_from_args(args)
 
     def progress(point: Any) -> None:
@@ -89,12 +95,17 @@ def run(args: argparse.Namespace) -> int:
     points = load_test(servers, requests, modes, levels, args.max_tokens, args.timeout, progress,
                        args.requests_per_client, args.min_requests, args.rounds, args.warmup)
     print(format_points(earlier + points))
+    comparisons = compare(points, compared)
+    if comparisons:
+        print()
+        print(format_comparisons(comparisons))
     if args.json_out:
         args.json_out.write_text(json.dumps({"config": {"servers": servers, "stream": args.stream, "requests": len(requests),
                                                         "max_tokens": args.max_tokens, "modes": list(modes),
                                                         "levels": levels, "rounds": args.rounds,
                                                         "warmup": args.warmup},
-                                             "points": [p.as_dict() for p in points]}, indent=2))
+                                             "points": [p.as_dict() for p in points],
+                                             "comparisons": [c.as_dict() for c in comparisons]}, indent=2))
     if args.plot:
         from autotune.reports.plots import load_plot
 

@@ -13,9 +13,15 @@ clients each send their next request as soon as their last one is answered. Repo
 of all responses / wall time), requests/s, p50 / p95 latency and p50 time to first token as the
 client saw them, and, from the server's ``/metrics`` (before and after the point), the mean batch
 size and target rows per decode step (absent on a server without batching).
+
+:func:`compare` sets one mode against the best of the others at each concurrency: the pooled ratio,
+each round's ratio (the modes of a round ran back to back on the same requests, so a round's ratio
+is a paired measurement) and a 95% interval on their geometric mean, which says whether a margin
+stands out of the rounds' noise.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -51,6 +57,66 @@ class LoadPoint:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``mode`` against ``against``, the other mode of the best pooled tok/s at the same server and
+    concurrency. ``ratio`` is pooled (tok/s over tok/s); ``round_ratios`` pair the two modes' passes
+    of the same round; ``low`` / ``high`` bound their geometric mean (95%, Student's t on the
+    logarithms), None with fewer than two rounds."""
+
+    server: str
+    concurrency: int
+    mode: str
+    against: str
+    ratio: float
+    round_ratios: tuple[float, ...]
+    low: float | None
+    high: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | None, float | None]:
+    """A ``level`` confidence interval on the geometric mean of ``ratios`` (t on their logarithms)."""
+    if len(ratios) < 2 or min(ratios) <= 0:
+        return None, None
+    from scipy.stats import t
+
+    logs = [math.log(r) for r in ratios]
+    half = float(t.ppf(0.5 + level / 2, len(logs) - 1)) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def compare(points: Sequence[LoadPoint], mode: str = "auto") -> list[Comparison]:
+    """``mode``'s point against the best other mode's at each (server, concurrency) that measured
+    ``mode`` and at least one other mode."""
+    out = []
+    for p in points:
+        if p.mode != mode:
+            continue
+        others = [o for o in points if o.server == p.server and o.concurrency == p.concurrency and o.mode != mode]
+        if not others:
+            continue
+        best = max(others, key=lambda o: o.tokens_per_s)
+        paired = [a / b for a, b in zip(p.round_tokens_per_s, best.round_tokens_per_s) if b > 0]
+        low, high = _interval(paired)
+        out.append(Comparison(p.server, p.concurrency, mode, best.mode, p.tokens_per_s / best.tokens_per_s,
+                              tuple(paired), low, high))
+    return out
+
+
+def format_comparisons(comparisons: Sequence[Comparison]) -> str:
+    lines = ["| server | concurrency | mode | against (best other) | ratio | ratio by round | 95% interval |",
+             "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        rounds = " / ".join(f"{r:.3f}" for r in c.round_ratios) or "-"
+        interval = "-" if c.low is None else f"{c.low:.3f} - {c.high:.3f}"
+        lines.append(f"| {c.server} | {c.concurrency} | {c.mode} | {c.against} | {c.ratio:.3f} | {rounds} | {interval} |")
+    return "\n".join(lines)
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

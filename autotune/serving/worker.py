@@ -38,7 +38,7 @@ from autotune.serving.text import TextStream
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, CatchUpCost, DraftCost, StepCost, \
+from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, CatchUpCost, DraftCost, RouteAcceptance, StepCost, \
     acceptance_estimate, choose_shapes, pays_alone, starts_alone, strategy_rows
 from runtime.batching import Member, batch_round
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
@@ -153,6 +153,7 @@ class DecodeWorker:
         self.control: ControlSettings | None = ControlSettings()
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
+        self.acceptance = RouteAcceptance()  # each route's live acceptance per strategy: the goodput choice's prior
         self._costs: dict[tuple, MeasuredCostModel] = {}  # the controllers' cost models, per drafting model and target
         self.on_control: Callable[[Job], None] | None = None  # after a controlled request decoded (metrics)
         self.draft_token_s: dict[str, float] = {}  # seconds per drafted token, by drafter kind
@@ -699,7 +700,9 @@ class DecodeWorker:
         s, seq = r.current, r.member.seq
         stats = seq.stats
         entry = r.job.choice.entry
-        prior = entry.acceptance if entry is not None and r.job.choice.state == "stored" else None
+        prior = self.acceptance.get(r.job.choice.route, s)  # the route's live figure, else the stored one
+        if prior is None and entry is not None and r.job.choice.state == "stored":
+            prior = entry.acceptance
         fixed, group = 0.0, None
         key = draft_key(r.member.decoder) if s.drafter == "draft-model" else None
         shared = self.draft_costs.get(key) if key is not None else None
@@ -776,6 +779,7 @@ class DecodeWorker:
         stats = r.member.seq.stats
         if stats.drafted and r.strategy.speculates and (r.control is None or not r.control.switches):
             self.draft_token_s[r.strategy.drafter] = stats.draft_s / stats.drafted
+            self.acceptance.observe(r.job.choice.route, r.strategy, stats.accepted, stats.drafted)
         try:
             result = r.member.seq.result()
             if r.control is not None:

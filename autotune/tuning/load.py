@@ -7,7 +7,9 @@ forwards, each run once for every sequence drafting at that depth (a price per f
 and one per sequence in it); and
 :func:`choose_lengths` picks each sequence's draft length (up to its strategy's, or none) to
 maximise the batch's goodput: expected tokens per second over the whole step (SmartSpec's goodput
-model; Leviathan's expected accepted length per sequence, ``(1 - a^(k+1)) / (1 - a)``).
+model; Leviathan's expected accepted length per sequence, ``(1 - a^(k+1)) / (1 - a)``). A sequence's
+acceptance starts from its route's: the live figure of the route's finished requests
+(:class:`RouteAcceptance`) once there is one, else the stored strategy's.
 
 The best length falls as the batch grows: rows that were nearly free at batch 1 (a verify of 8 rows
 costs about one row's forward on CPU) compete with batch-mates' plain rows at batch 16.
@@ -15,7 +17,7 @@ costs about one row's forward on CPU) compete with batch-mates' plain rows at ba
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,8 @@ CATCH_UPS_KEPT = 32  # a drafting model's latest catch-ups its price is fitted o
 DRAFT_STEPS_KEPT = 128  # a draft model's latest drafting phases its depth price is fitted on
 PRIOR_DRAFTS = 8  # pseudo-drafts of the route's acceptance before a sequence's own rounds count
 DEFAULT_ACCEPTANCE = 0.6  # a sequence of a route that stored no acceptance
+ROUTE_EWMA = 0.3  # weight of a route's newest finished request in its live acceptance
+ROUTE_MIN_DRAFTS = PRIOR_DRAFTS  # drafts a route's live acceptance needs before it replaces the stored figure
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,45 @@ def acceptance_estimate(prior: float | None, accepted: int, drafted: int) -> flo
     """The route's acceptance as a prior of ``PRIOR_DRAFTS`` drafts, updated by the sequence's own."""
     p = DEFAULT_ACCEPTANCE if prior is None else prior
     return (p * PRIOR_DRAFTS + accepted) / (PRIOR_DRAFTS + drafted)
+
+
+class RouteAcceptance:
+    """Each route's live acceptance, per strategy: an exponentially weighted ratio of the accepted
+    to the drafted tokens of its finished requests (each request's counts weigh ``weight`` against
+    all before it, so a request that drafted little moves the ratio little). ``get`` is None until
+    ``min_drafts`` tokens were drafted in all: until then the stored figure, measured when the
+    strategy was tuned on other prompts, stands. Bounded: the ``max_keys`` (route, strategy) pairs
+    seen last."""
+
+    def __init__(self, weight: float = ROUTE_EWMA, min_drafts: int = ROUTE_MIN_DRAFTS, max_keys: int = 256) -> None:
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"route acceptance weight must be in (0, 1], got {weight}")
+        self.weight, self.min_drafts, self.max_keys = weight, min_drafts, max_keys
+        # (route, strategy) -> (weighted accepted, weighted drafted, drafted in all)
+        self._sums: OrderedDict[tuple[str, Strategy], tuple[float, float, int]] = OrderedDict()
+
+    def observe(self, route: str, strategy: Strategy, accepted: int, drafted: int) -> None:
+        if drafted <= 0:
+            return
+        key, w = (route, strategy), self.weight
+        a, d, n = self._sums.get(key, (0.0, 0.0, 0))
+        self._sums[key] = ((1 - w) * a + w * accepted, (1 - w) * d + w * drafted, n + drafted)
+        self._sums.move_to_end(key)
+        while len(self._sums) > self.max_keys:
+            self._sums.popitem(last=False)
+
+    def get(self, route: str, strategy: Strategy) -> float | None:
+        a, d, n = self._sums.get((route, strategy), (0.0, 0.0, 0))
+        return a / d if n >= self.min_drafts else None
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        """Route -> {strategy (JSON) -> live acceptance}, for the pairs with a figure."""
+        out: dict[str, dict[str, float]] = {}
+        for route, strategy in self._sums:
+            figure = self.get(route, strategy)
+            if figure is not None:
+                out.setdefault(route, {})[strategy.to_json()] = round(figure, 4)
+        return out
 
 
 class StepCost:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.tuning.load import STEPS_KEPT, Candidate, StepCost, acceptance_estimate, choose_lengths, expected_tokens, \
+from autotune.tuning.load import STEPS_KEPT, Candidate, RouteAcceptance, StepCost, acceptance_estimate, choose_lengths, expected_tokens, \
     pays_alone, starts_alone
 
 
@@ -113,6 +113,49 @@ def test_acceptance_estimate_moves_from_the_prior_to_the_sequence():
     assert acceptance_estimate(0.9, 0, 0) == pytest.approx(0.9)
     assert acceptance_estimate(0.9, 10, 100) < 0.2
     assert acceptance_estimate(None, 0, 0) == pytest.approx(0.6)
+
+
+def test_a_routes_live_acceptance_weighs_its_requests_by_what_they_drafted():
+    """An exponentially weighted ratio of accepted to drafted tokens per (route, strategy): none
+    until ``min_drafts`` tokens were drafted, a request that drafted little moves it little, and
+    the figures are kept apart by route and by strategy."""
+    from search_spaces.strategy import Strategy
+
+    lookup, chain = Strategy(drafter="prompt-lookup", draft_length=5), Strategy(drafter="draft-model", draft_length=4)
+    live = RouteAcceptance(weight=0.3, min_drafts=8)
+    live.observe("xsum", lookup, 2, 5)
+    assert live.get("xsum", lookup) is None  # 5 drafts: the stored figure still stands
+    live.observe("xsum", lookup, 0, 0)  # a request that drafted nothing says nothing
+    live.observe("xsum", lookup, 36, 40)
+    assert live.get("xsum", lookup) == pytest.approx((0.7 * 0.3 * 2 + 0.3 * 36) / (0.7 * 0.3 * 5 + 0.3 * 40))
+    live.observe("xsum", lookup, 0, 2)  # a short miss barely moves a figure of 40 drafts
+    assert 0.8 < live.get("xsum", lookup) < 0.9
+    assert live.get("gsm8k", lookup) is None and live.get("xsum", chain) is None
+    assert list(live.describe()) == ["xsum"] and list(live.describe()["xsum"]) == [lookup.to_json()]
+    bounded = RouteAcceptance(max_keys=2)
+    for route in ("a", "b", "c"):
+        bounded.observe(route, chain, 10, 10)
+    assert bounded.get("a", chain) is None and bounded.get("c", chain) == 1.0
+
+
+def test_a_sequence_starts_from_its_routes_live_acceptance_over_the_stored_one():
+    """``DecodeWorker._candidate``: the route's live figure for the strategy a sequence runs, once
+    there is one; until then the stored strategy's acceptance."""
+    from types import SimpleNamespace
+
+    from autotune.serving.worker import DecodeWorker
+    from runtime.stats import DecodeStats
+    from search_spaces.strategy import Strategy
+
+    lookup = Strategy(drafter="prompt-lookup", draft_length=5)
+    seq = SimpleNamespace(stats=DecodeStats(), prompt=[1] * 10, out=[], config=SimpleNamespace(max_new_tokens=64))
+    job = SimpleNamespace(choice=SimpleNamespace(entry=SimpleNamespace(acceptance=0.16), route="xsum", state="stored"))
+    r = SimpleNamespace(current=lookup, member=SimpleNamespace(seq=seq, decoder=None), job=job, drafter_synced=True)
+    worker = SimpleNamespace(acceptance=RouteAcceptance(), draft_costs={}, draft_token_s={}, catch_ups={},
+                             step_cost=_cpu_like())
+    assert DecodeWorker._candidate(worker, r).acceptance == pytest.approx(0.16)
+    worker.acceptance.observe("xsum", lookup, 30, 40)
+    assert DecodeWorker._candidate(worker, r).acceptance == pytest.approx(0.75)
 
 
 def test_a_row_budget_caps_the_step():

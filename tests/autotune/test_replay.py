@@ -101,6 +101,46 @@ def test_a_load_point_pools_its_rounds() -> None:
     assert _point([first, _Sample(second.done, 1.0, None)], "new", "auto", 2).mean_batch is None  # one round unknown
 
 
+def _load_point(mode: str, concurrency: int, rounds: tuple[float, ...], server: str = "new") -> Any:
+    from autotune.measure.loadtest import LoadPoint
+
+    tokens = 100 * len(rounds)
+    wall = sum(100 / r for r in rounds)
+    return LoadPoint(server=server, mode=mode, concurrency=concurrency, requests=len(rounds), tokens=tokens,
+                     wall_s=wall, tokens_per_s=tokens / wall, requests_per_s=len(rounds) / wall, latency_p50_s=1.0,
+                     latency_p95_s=1.0, ttft_p50_s=0.1, mean_batch=None, rows_per_step=None, rounds=len(rounds),
+                     round_tokens_per_s=rounds)
+
+
+def test_a_mode_is_compared_with_the_best_other_round_by_round() -> None:
+    """``auto`` against the best other mode by pooled tok/s (not the best of each round), each round's
+    ratio paired with the same round of that mode, and a t interval on the rounds' geometric mean."""
+    import math
+
+    from autotune.measure.loadtest import compare, format_comparisons
+
+    e = math.exp(0.1)
+    points = [_load_point("plain", 4, (9.0, 11.0)), _load_point("default", 4, (10.0, 10.0)),
+              _load_point("auto", 4, (10.0 * e, 10.0 / e)),
+              _load_point("plain", 1, (5.0,)), _load_point("auto", 1, (6.0,)),
+              _load_point("auto", 16, (3.0, 3.0))]  # no other mode at 16 clients: nothing to compare
+    first, second = compare(points)
+    assert (first.concurrency, first.against, second.concurrency, second.against) == (4, "default", 1, "plain")
+    assert first.round_ratios == pytest.approx((e, 1 / e))
+    assert first.ratio == pytest.approx(points[2].tokens_per_s / 10.0)
+    half = 12.706 * math.sqrt(0.02) / math.sqrt(2)  # t(0.975, 1 df) x stdev of the logs (+-0.1) / sqrt(2)
+    assert (first.low, first.high) == (pytest.approx(math.exp(-half), rel=1e-3), pytest.approx(math.exp(half), rel=1e-3))
+    assert (second.ratio, second.round_ratios, second.low, second.high) == (pytest.approx(1.2), (1.2,), None, None)
+    assert compare(points, "default")[0].against == "auto" and compare(points, "tuned") == []
+    table = format_comparisons([first, second])
+    assert "| new | 4 | auto | default | " in table and "| new | 1 | auto | plain | 1.200 | 1.200 | - |" in table
+
+
+def test_loadtest_compare_names_a_measured_mode(capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    _one_line_error(capsys, ["loadtest", "--url", "http://127.0.0.1:9", "--stream", "mixed", "--mode", "plain,default",
+                             "--compare", "auto"], "--compare 'auto' is not among --mode plain,default")
+
+
 def test_replay_sends_in_schedule_order() -> None:
     requests = [_request(i, "a") for i in range(3)]
     sent: list[tuple[int, str]] = []

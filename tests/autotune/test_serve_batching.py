@@ -109,6 +109,20 @@ def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_draftin
     assert any(drafts > depths for depths, drafts, _ in new), new  # two chains drafted in one phase
 
 
+def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(live):
+    """Where a request ends, what it accepted of what it drafted becomes its route's live figure
+    for its strategy (``RouteAcceptance``), the start of later sequences' acceptance estimates."""
+    from autotune.tuning.load import RouteAcceptance
+
+    running, ids, _ = live
+    worker = running.server.worker
+    worker.acceptance = RouteAcceptance(min_drafts=1)
+    _, _, info = chat(running.client(), routing_texts("humaneval", 1, 30)[0], ids["chain"], max_tokens=40)
+    assert info["drafted"] > 0, info
+    (route, figures), = worker.acceptance.describe().items()
+    assert route == info["route"] and list(figures.values()) == [pytest.approx(info["accepted"] / info["drafted"], abs=1e-4)]
+
+
 def test_a_request_that_leaves_does_not_stop_its_batch_mates(live):
     """Three requests together, one of them with a budget of 4 tokens: it leaves after a few
     steps; the others go on and still equal their solo answers."""
