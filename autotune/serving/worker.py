@@ -777,9 +777,10 @@ class DecodeWorker:
         self._batch.remove(r)
         self.release(r.strategy, r.member.decoder)
         stats = r.member.seq.stats
-        if stats.drafted and r.strategy.speculates and (r.control is None or not r.control.switches):
-            self.draft_token_s[r.strategy.drafter] = stats.draft_s / stats.drafted
-            self.acceptance.observe(r.job.choice.route, r.strategy, stats.accepted, stats.drafted)
+        # one strategy decoded it all (the one it started with: its route's moved prior, maybe not its decoder's key)
+        if stats.drafted and r.current.speculates and (r.control is None or not r.control.switches):
+            self.draft_token_s[r.current.drafter] = stats.draft_s / stats.drafted
+            self.acceptance.observe(r.job.choice.route, r.current, stats.accepted, stats.drafted)
         try:
             result = r.member.seq.result()
             if r.control is not None:
