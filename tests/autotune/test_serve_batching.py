@@ -116,10 +116,14 @@ def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(live)
 
     running, ids, _ = live
     worker = running.server.worker
-    worker.acceptance = RouteAcceptance(min_drafts=1)
-    _, _, info = chat(running.client(), routing_texts("humaneval", 1, 30)[0], ids["chain"], max_tokens=40)
+    kept, worker.acceptance = worker.acceptance, RouteAcceptance(min_drafts=1)
+    try:
+        _, _, info = chat(running.client(), routing_texts("humaneval", 1, 30)[0], ids["chain"], max_tokens=40)
+        figures_by_route = worker.acceptance.describe()
+    finally:
+        worker.acceptance = kept
     assert info["drafted"] > 0, info
-    (route, figures), = worker.acceptance.describe().items()
+    (route, figures), = figures_by_route.items()
     assert route == info["route"] and list(figures.values()) == [pytest.approx(info["accepted"] / info["drafted"], abs=1e-4)]
 
 
