@@ -117,3 +117,10 @@ def test_measured_default_threshold_routes_real_task_prompts():
         if case.held in ("humaneval", "gsm8k"):  # code and maths route reliably, in and out
             assert case.share(DEFAULT_ROUTE_DISTANCE, case.expected) >= 0.9, case
     assert "accuracy" in measured.table() and np.isfinite(measured.cases[0].quantiles()).all()
+
+
+def test_the_protocol_fits_sets_of_any_size():
+    """``fitted`` tasks at once, every such set: one fitted task of three, routed by three sets."""
+    measured = measure_routing(fit_prompts=3, held_out=5, fitted=1)
+    assert len(measured.cases) == 9 and all(len(c.fitted) == 1 and len(c.distances) == 5 for c in measured.cases)
+    assert sum(c.expected != "unknown" for c in measured.cases) == 3  # each set's own task; the rest unknown

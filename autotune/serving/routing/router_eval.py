@@ -76,16 +76,17 @@ class RoutingMeasurement:
 
 
 def measure_routing(
-    tasks: Sequence[str] = MEASURED_TASKS, fit_prompts: int = 20, held_out: int = 60,
+    tasks: Sequence[str] = MEASURED_TASKS, fit_prompts: int = 20, held_out: int = 60, fitted: int = 2,
 ) -> RoutingMeasurement:
-    """For every pair of ``tasks``: fit on the first ``fit_prompts`` routing texts of each, then
-    route the next ``held_out`` prompts of every task (the tasks outside the pair should be unknown).
-    The tasks' data as ``load_prompts`` finds it (GSM8K: ``$AUTOTUNE_DATA_DIR``)."""
+    """For every set of ``fitted`` of ``tasks`` (pairs by default): fit on the first ``fit_prompts``
+    routing texts of each, then route the next ``held_out`` prompts of every task (the tasks outside
+    the set should be unknown). The tasks' data as ``load_prompts`` finds it (GSM8K:
+    ``$AUTOTUNE_DATA_DIR``)."""
     from studies import load_prompts, routing_text
 
     texts = {t: [routing_text(p) for p in load_prompts(t, limit=fit_prompts + held_out)] for t in tasks}
     cases = []
-    for pair in itertools.combinations(tasks, 2):
+    for pair in itertools.combinations(tasks, fitted):
         router = TaskRouter().fit(RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(pair))
         for held in tasks:
             d = router.distances(texts[held][fit_prompts:])
@@ -94,5 +95,22 @@ def measure_routing(
     return RoutingMeasurement(tuple(cases))
 
 
-if __name__ == "__main__":  # prints the table for docs/benchmarks.md
-    print(measure_routing().table())
+def main(argv: Sequence[str] | None = None) -> None:
+    """Prints the table for docs/benchmarks.md (the defaults: the measurement behind the threshold)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m autotune.serving.routing.router_eval")
+    p.add_argument("--tasks", default=",".join(MEASURED_TASKS), help="comma list of tasks")
+    p.add_argument("--fit-prompts", type=int, default=20, help="prompts each fitted task's route holds")
+    p.add_argument("--held-out", type=int, default=60, help="prompts of each task routed")
+    p.add_argument("--fitted", type=int, default=2, help="tasks fitted at once (every such set is measured)")
+    p.add_argument("--threshold", type=float, help="the threshold the table shows (default: the best one)")
+    args = p.parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if not 1 <= args.fitted < len(tasks):
+        p.error(f"--fitted must be between 1 and the number of tasks less one ({len(tasks) - 1}), got {args.fitted}")
+    print(measure_routing(tasks, args.fit_prompts, args.held_out, args.fitted).table(args.threshold))
+
+
+if __name__ == "__main__":
+    main()
