@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.tuning.load import STEPS_KEPT, Candidate, RouteAcceptance, StepCost, acceptance_estimate, choose_lengths, expected_tokens, \
-    pays_alone, starts_alone
+from autotune.tuning.load import STEPS_KEPT, Candidate, RouteAcceptance, StepCost, acceptance_estimate, choose_lengths, \
+    expected_tokens, pays_alone, starts_alone
 
 
 def _cpu_like() -> StepCost:
