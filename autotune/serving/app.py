@@ -192,6 +192,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if condition == "failing":
             out["consecutive_failures"] = server.worker.failures
         out["tasks"] = server.book.tasks()  # the stored tasks requests are routed to
+        # each route's live acceptance per strategy: what the load-aware draft lengths start from
+        out["acceptance"] = server.worker.acceptance.describe()
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
             out["routes"] = server.worker.adapter.describe()
         return JSONResponse(out, status_code=503 if condition else 200)

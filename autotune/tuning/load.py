@@ -153,6 +153,7 @@ class RouteAcceptance:
         self.weight, self.min_drafts, self.max_keys = weight, min_drafts, max_keys
         # (route, strategy) -> (weighted accepted, weighted drafted, drafted in all)
         self._sums: OrderedDict[tuple[str, Strategy], tuple[float, float, int]] = OrderedDict()
+        self._published: dict[str, dict[str, float]] = {}  # ``describe``'s answer, replaced whole on each change
 
     def observe(self, route: str, strategy: Strategy, accepted: int, drafted: int) -> None:
         if drafted <= 0:
@@ -163,19 +164,20 @@ class RouteAcceptance:
         self._sums.move_to_end(key)
         while len(self._sums) > self.max_keys:
             self._sums.popitem(last=False)
+        published: dict[str, dict[str, float]] = {}  # once per finished request, at most ``max_keys`` pairs
+        for r, s in self._sums:
+            if (figure := self.get(r, s)) is not None:
+                published.setdefault(r, {})[s.to_json()] = round(figure, 4)
+        self._published = published
 
     def get(self, route: str, strategy: Strategy) -> float | None:
         a, d, n = self._sums.get((route, strategy), (0.0, 0.0, 0))
         return a / d if n >= self.min_drafts else None
 
     def describe(self) -> dict[str, dict[str, float]]:
-        """Route -> {strategy (JSON) -> live acceptance}, for the pairs with a figure."""
-        out: dict[str, dict[str, float]] = {}
-        for route, strategy in self._sums:
-            figure = self.get(route, strategy)
-            if figure is not None:
-                out.setdefault(route, {})[strategy.to_json()] = round(figure, 4)
-        return out
+        """Route -> {strategy (JSON) -> live acceptance}, for the pairs with a figure: a snapshot the
+        writer (the decode thread) publishes, so ``/health`` never reads the live state."""
+        return self._published
 
 
 class StepCost:

@@ -86,12 +86,12 @@ def measure_routing(
 
     texts = {t: [routing_text(p) for p in load_prompts(t, limit=fit_prompts + held_out)] for t in tasks}
     cases = []
-    for pair in itertools.combinations(tasks, fitted):
-        router = TaskRouter().fit(RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(pair))
+    for group in itertools.combinations(tasks, fitted):
+        router = TaskRouter().fit(RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(group))
         for held in tasks:
             d = router.distances(texts[held][fit_prompts:])
             nearest = tuple(router.entries[j].task for j in d.argmin(axis=1))
-            cases.append(RoutingCase(pair, held, tuple(float(x) for x in d.min(axis=1)), nearest))
+            cases.append(RoutingCase(group, held, tuple(float(x) for x in d.min(axis=1)), nearest))
     return RoutingMeasurement(tuple(cases))
 
 
@@ -109,7 +109,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     tasks = [t for t in args.tasks.split(",") if t]
     if not 1 <= args.fitted < len(tasks):
         p.error(f"--fitted must be between 1 and the number of tasks less one ({len(tasks) - 1}), got {args.fitted}")
-    print(measure_routing(tasks, args.fit_prompts, args.held_out, args.fitted).table(args.threshold))
+    from studies.errors import TaskError
+
+    try:
+        measured = measure_routing(tasks, args.fit_prompts, args.held_out, args.fitted)
+    except TaskError as exc:  # an unknown task, or data not found: one line
+        p.error(str(exc))
+    print(measured.table(args.threshold))
 
 
 if __name__ == "__main__":
