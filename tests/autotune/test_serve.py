@@ -261,6 +261,9 @@ def test_load_full_queue_and_disconnects(pool, smollm, store):
         assert _metric(live.url, "autotune:generation_tokens_total") == tokens + len(ids)
         health = httpx.get(f"{live.url}/health").json()
         assert sorted(health.pop("tasks")) == ["gsm8k", "humaneval"]  # the stored tasks it routes to
+        acceptance = health.pop("acceptance")  # each route's live acceptance, by strategy
+        assert set(acceptance) <= {"gsm8k", "humaneval", "unknown"} and all(
+            0.0 <= a <= 1.0 for figures in acceptance.values() for a in figures.values()), acceptance
         assert health == {"status": "ok", "model": MODEL, "queue_depth": 0, "running": 0}
 
 
