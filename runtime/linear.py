@@ -10,6 +10,8 @@
 - ``int8``, ``int4``, ``w8a8``: quantised weights on torch's CPU kernels, row-invariant (a width-k
   verify computes each row exactly as a width-1 step does), so they serve targets losslessly
   relative to themselves; ``int8-dynamic``: fbgemm's dynamic int8, drafts only (``runtime.quant``).
+- ``gguf``: the GGUF file's own blocks on ggml's CPU kernels (llama.cpp's), row-invariant by
+  construction (``runtime.gguf_blocks``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from runtime import kernels
 from runtime.errors import RuntimeUserError
+from runtime.gguf_blocks import GgufLinear
 from runtime.quant import (
     Bf16Linear, Int8DynamicLinear, Int8WeightOnlyLinear, W8A8Linear, fbgemm_available, int4_linear, int_mm_available,
     weight_only_available,
@@ -171,6 +175,7 @@ LINEAR_BACKENDS: dict[str, LinearFactory] = {
     "int8": lambda w, b, width, src: Int8WeightOnlyLinear(w, b),
     "int4": lambda w, b, width, src: int4_linear(w, b, src),
     "w8a8": lambda w, b, width, src: W8A8Linear(w, b),
+    "gguf": lambda w, b, width, src: GgufLinear(w, b, src),
 }
 
 BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
@@ -181,19 +186,20 @@ BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
     "int8": weight_only_available,
     "int4": weight_only_available,
     "w8a8": int_mm_available,
+    "gguf": kernels.available,
 }
 
 
 # backends whose rows are invariant to the call's row count (runtime.quant): models running them get
 # width-invariant attention too (runtime.attention.sdpa), so every width computes a row the same
-ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8", "onednn")
+ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8", "gguf", "onednn")
 
 # backends whose output columns are computed independently of each other: one call over several
 # projections' concatenated weights (q/k/v, gate/up) gives each part bit-identically what its own
 # call gives (tests/runtime/test_quantised.py), for fewer calls and casts per layer (a step of the
 # int4 1.5B: 28 x 7 -> 28 x 4 calls; its time moved within noise). float32 and bf16 GEMMs may block differently by width, so
 # they keep one call per projection (dense float32 is bit-identical to Hugging Face's forward).
-FUSED_BACKENDS = ("int8", "int4", "w8a8")
+FUSED_BACKENDS = ("int8", "int4", "w8a8", "gguf")
 # fused projection -> its parts, in output order
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
@@ -221,7 +227,7 @@ def head_backend(backend: str, draft: bool = False) -> str:
 def make_linear(
     backend: str, weight: torch.Tensor, bias: torch.Tensor | None, width: int = 1, source: Any = None
 ) -> Linear:
-    """``source``: weights already quantised for ``backend`` (int4 from a GGUF file), else None."""
+    """``source``: weights already quantised for ``backend`` (int4 or GGUF blocks from a GGUF file), else None."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear backend '{backend}'; known: {', '.join(LINEAR_BACKENDS)}")
     if not BACKEND_AVAILABLE[backend]():

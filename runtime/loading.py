@@ -176,10 +176,42 @@ def prepare_int4(model: LoadedModel) -> None:
     model.hf_model.int4_attached = True
 
 
+def kept_gguf(source: PackagedGGUF, name: str) -> Path:
+    """The packaged GGUF file, verified, at a path that lasts: in place when shipped whole, else
+    joined once into the model's cache directory (``model.gguf``), for memory-mapping."""
+    if len(source.chunks) == 1:
+        pkg, rel = source.chunks[0]
+        path = _package_dir(pkg, source.pip_specs) / rel
+        _verify_file(path, source)
+        return path
+    out = cache_root() / "models" / f"{name}-{source.sha256[:12]}" / "model.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _join_and_verify(source, out)
+    return out
+
+
+def prepare_gguf(model: LoadedModel) -> None:
+    """Give ``model``'s linears their GGUF blocks (``runtime.gguf_blocks``): a packaged model's own,
+    memory-mapped from its file; ggml-quantised from the float weights otherwise."""
+    from runtime.gguf_blocks import attach, gguf_weights
+
+    if getattr(model.hf_model, "gguf_attached", False):
+        return
+    source = None if model.revision == "random" else resolve_model(model.name)
+    path = kept_gguf(source, model.name) if isinstance(source, PackagedGGUF) else None
+    attach(model.hf_model, gguf_weights(model.hf_model, path))
+    model.hf_model.gguf_attached = True
+
+
+# what a linear backend reads besides the float weights, prepared once per model
+BACKEND_PREPARE = {"int4": prepare_int4, "gguf": prepare_gguf}
+
+
 def prepare_backend(model: LoadedModel, backend: str) -> None:
-    """Whatever a linear backend reads besides the float weights (int4: the GGUF's own blocks)."""
-    if backend == "int4":
-        prepare_int4(model)
+    """Whatever a linear backend reads besides the float weights (int4, gguf: the GGUF's own blocks)."""
+    if backend in BACKEND_PREPARE:
+        BACKEND_PREPARE[backend](model)
 
 
 def _verify_file(path: Path, src: PackagedGGUF) -> None:

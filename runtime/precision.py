@@ -19,6 +19,7 @@ import torch
 
 from runtime.auto_precision import cpu_auto_precision
 from runtime.errors import RuntimeUserError
+from runtime import kernels
 from runtime.linear import float32_cpu_backend
 
 
@@ -51,6 +52,8 @@ PRECISIONS: dict[str, Precision] = {
     "int8": Precision("int8", torch.float32, "int8", ("cpu",), "int8 weights per channel, bf16 activations"),
     "int4": Precision("int4", torch.float32, "int4", ("cpu",), "int4 weights in groups of 32, bf16 activations"),
     "w8a8": Precision("w8a8", torch.float32, "w8a8", ("cpu",), "int8 weights, int8 activations per token"),
+    "gguf": Precision("gguf", torch.float32, "gguf", ("cpu",),
+                      "the GGUF file's own blocks on ggml's CPU kernels (llama.cpp's), activations quantised per row"),
 }
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUTO = "auto"
@@ -97,6 +100,11 @@ def get_precision(name: str, device: str | torch.device, compiled: bool = False,
             f"{what} {name} has no backend on '{kind}' here (it runs torch's {', '.join(p.devices)} kernels); "
             f"use {what} bfloat16 or auto on {kind}"
         )
+    if p.backend == "gguf" and not kernels.available():
+        try:
+            kernels.load()
+        except kernels.KernelsUnavailable as exc:
+            raise RuntimeUserError(f"{what} gguf: {exc}") from exc
     if compiled and p.backend != "dense":
         raise RuntimeUserError(
             f"{what} {name} cannot be compiled (its GEMMs are opaque to torch.compile); "

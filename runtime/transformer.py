@@ -27,7 +27,6 @@ from runtime.linear import (
     prefill_linear, row_way,
 )
 from runtime.linear import run_rows as run_linear_rows
-from runtime.quant import Int4Weights
 from runtime.slots import SlotCache, SlotView, slot_parts, slot_step
 from search_spaces.layer_plan import LayerPlan
 
@@ -161,7 +160,7 @@ class CausalLM:
         self.backend, self.width, self.head_backend = backend, width, head_backend(backend, draft)
         fuse = backend in FUSED_BACKENDS
         self.linears = [
-            _layer_linears(layer, lambda w, b, src: make_linear(backend, w, b, width, src), fuse)
+            _layer_linears(layer, lambda w, b, src: make_linear(backend, w, b, width, src), fuse, backend)
             for layer in self.layers
         ]
         self._prefill = {}
@@ -176,7 +175,7 @@ class CausalLM:
             return self.linears
         if "linears" not in self._prefill:
             self._prefill["linears"] = [
-                {name: prefill_linear(mod.weight, mod.bias, _source(mod) if self.backend == "int4" else None)
+                {name: prefill_linear(mod.weight, mod.bias, _source(mod, self.backend))
                  for name, mod in _projections(layer)}
                 for layer in self.layers
             ]
@@ -205,7 +204,7 @@ class CausalLM:
 
     def _build_head(self) -> Linear:
         w, b = self.lm_head.weight, getattr(self.lm_head, "bias", None)
-        source = _source(self.lm_head)
+        source = _source(self.lm_head, self.head_backend)
         if self.head_rows is not None:
             w = w[: self.head_rows].contiguous()
             b = None if b is None else b[: self.head_rows].contiguous()
@@ -508,13 +507,17 @@ def _rows_key(rows: slice | torch.Tensor | None) -> Any:
     return None if rows is None else tuple(rows.shape)
 
 
-def _source(mod: Any) -> Any:
-    """Prepared quantised weights of a linear module (``runtime.loading.prepare_int4``), if any."""
-    return getattr(mod, "int4_weights", None)
+# where a linear module keeps the quantised weights a backend reads (``runtime.loading.prepare_backend``)
+SOURCE_ATTRS: dict[str, str] = {"int4": "int4_weights", "gguf": "gguf_weights"}
+
+
+def _source(mod: Any, backend: str) -> Any:
+    """Prepared quantised weights of a linear module for ``backend``, if any."""
+    return getattr(mod, SOURCE_ATTRS[backend], None) if backend in SOURCE_ATTRS else None
 
 
 def _layer_linears(
-    layer: Any, make: Callable[[torch.Tensor, "torch.Tensor | None", Any], Linear], fuse: bool
+    layer: Any, make: Callable[[torch.Tensor, "torch.Tensor | None", Any], Linear], fuse: bool, backend: str
 ) -> dict[str, Linear]:
     """A decoder layer's executed projections by name, built by ``make(weight, bias, source)``; with
     ``fuse``, q/k/v and gate/up as one projection each (``runtime.linear.FUSED_PROJECTIONS``) where
@@ -523,18 +526,18 @@ def _layer_linears(
     out: dict[str, Linear] = {}
     for fused, names in FUSED_PROJECTIONS.items() if fuse else ():
         parts = [mods[n] for n in names]
-        sources = [_source(m) for m in parts]
+        sources = [_source(m, backend) for m in parts]
         if any(s is None for s in sources) and any(s is not None for s in sources):
             continue
         biases = [getattr(m, "bias", None) for m in parts]
         bias = None if all(b is None for b in biases) else torch.cat([
             b if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype) for b, m in zip(biases, parts)
         ])
-        source = None if sources[0] is None else Int4Weights.cat(sources)
+        source = None if sources[0] is None else type(sources[0]).cat(sources)
         out[fused] = make(torch.cat([m.weight for m in parts]).detach(), bias, source)
         for n in names:
             del mods[n]
-    out.update({name: make(mod.weight, mod.bias, _source(mod)) for name, mod in mods.items()})
+    out.update({name: make(mod.weight, mod.bias, _source(mod, backend)) for name, mod in mods.items()})
     return out
 
 
