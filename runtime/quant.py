@@ -21,6 +21,7 @@ the bias, are row-wise.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -214,9 +215,22 @@ def int_mm_available() -> bool:
     return hasattr(torch, "_int_mm")
 
 
+@functools.cache
 def onednn_int8_available() -> bool:
-    """oneDNN's int8 linear over pre-packed weights (``W8A8Linear``'s kernel where present)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+    """oneDNN's int8 linear over pre-packed weights (``W8A8Linear``'s kernel where present and
+    exact): on CPUs without VNNI its u8 x s8 products are summed in pairs into int16, which
+    saturates, so it is used only where it computes ``torch._int_mm``'s exact sums (checked once on
+    the largest products, whose pairs overflow int16)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return False
+    k = 64
+    q = torch.full((16, k), 127, dtype=torch.int8)
+    x = torch.full((1, k), 127.0)
+    packed = torch.ops.onednn.qlinear_prepack(q, None)
+    got = torch.ops.onednn.qlinear_pointwise(
+        (x + 128).to(torch.uint8), 1.0, 128, packed, torch.ones(16), torch.zeros(16, dtype=torch.int64), None, 1.0, 0,
+        torch.float32, "none", [], "")
+    return bool(torch.equal(got, torch._int_mm(x.to(torch.int8).expand(17, k).contiguous(), q.t())[:1].float()))
 
 
 def fbgemm_available() -> bool:

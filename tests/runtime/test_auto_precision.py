@@ -1,4 +1,4 @@
-"""``--precision auto`` on the CPU: int4 or w8a8, measured once per machine and kept."""
+"""``--precision auto`` on the CPU: int4, w8a8 or gguf, measured once per machine and kept."""
 from __future__ import annotations
 
 import json
@@ -22,24 +22,24 @@ def test_auto_is_the_faster_candidate_and_the_answer_is_kept(unpinned, monkeypat
 
     def probe():
         calls.append(1)
-        return {"int4": 0.009, "w8a8": 0.004}
+        return {"int4": 0.009, "w8a8": 0.004, "gguf": 0.02}
 
     monkeypatch.setattr(auto_precision, "probe", probe)
     assert get_precision("auto", "cpu").name == "w8a8"
     kept = json.loads(unpinned.read_text())
     (entry,) = kept.values()
-    assert entry["precision"] == "w8a8" and entry["seconds"] == {"int4": 0.009, "w8a8": 0.004}
+    assert entry["precision"] == "w8a8" and entry["seconds"] == {"int4": 0.009, "w8a8": 0.004, "gguf": 0.02}
     assert get_precision("auto", "cpu").name == "w8a8" and len(calls) == 1  # read back, not probed again
     # another machine (here: another thread count) probes for itself
     monkeypatch.setattr(auto_precision, "cpu_fingerprint", lambda: "another machine")
-    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.003, "w8a8": 0.004})
+    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.003, "w8a8": 0.004, "gguf": 0.005})
     assert get_precision("auto", "cpu").name == "int4"
     assert set(json.loads(unpinned.read_text())) == {"another machine", *kept}
 
 
 def test_a_broken_cache_file_is_probed_over(unpinned, monkeypatch):
     unpinned.write_text("{not json")
-    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.003, "w8a8": 0.004})
+    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.003, "w8a8": 0.004, "gguf": 0.005})
     assert auto_precision.cpu_auto_precision() == "int4"
     assert json.loads(unpinned.read_text())  # rewritten whole
 
@@ -62,3 +62,13 @@ def test_auto_stays_bfloat16_off_the_cpu_and_float32_compiled_without_probing(un
 def test_the_probe_times_both_candidates_on_this_machine():
     seconds = auto_precision.probe()
     assert set(seconds) == set(auto_precision.CANDIDATES) and all(s > 0 for s in seconds.values())
+
+
+def test_a_kept_answer_without_a_candidate_is_probed_again(unpinned, monkeypatch):
+    """An answer kept before gguf was a candidate (or before its kernels were built) did not time
+    it: it is probed again, and gguf wins where it is faster."""
+    from runtime.machine import cpu_fingerprint
+
+    unpinned.write_text(json.dumps({cpu_fingerprint(): {"precision": "w8a8", "seconds": {"int4": 0.009, "w8a8": 0.004}}}))
+    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.009, "w8a8": 0.004, "gguf": 0.002})
+    assert auto_precision.cpu_auto_precision() == "gguf"

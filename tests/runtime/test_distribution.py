@@ -296,6 +296,7 @@ MODES: dict[str, Builder] = {
     "int8-draft": _int8_draft,
     "int4-target-chain": _quantised_target("int4", CHAIN),
     "w8a8-target-tree": _quantised_target("w8a8", TREE),
+    "gguf-target-chain": _quantised_target("gguf", CHAIN),
     "restricted-draft-head": _restricted_head,
     "prompt-lookup": _prompt_lookup,
     "lookup-first-draft-model": _lookup_first(CHAIN),

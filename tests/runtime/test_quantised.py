@@ -1,4 +1,4 @@
-"""Quantised precisions (int8, int4, w8a8) and float32 on oneDNN: row-invariant kernels, hence
+"""Quantised precisions (int8, int4, w8a8, gguf) and float32 on oneDNN: row-invariant kernels, hence
 speculative greedy output identical to plain greedy output at the same precision, on tiny models
 and on SmolLM2."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
-from runtime.linear import FLOAT32_KERNEL_ENV, float32_cpu_backend, make_linear, onednn_available
+from runtime.linear import FLOAT32_KERNEL_ENV, float32_cpu_backend, head_backend, make_linear, onednn_available
 from runtime.lookup import PromptLookupDrafter
 from runtime.pipeline import ModelPool, build_decoder, eos_ids
 from runtime.precision import PRECISIONS, get_precision
@@ -20,7 +20,7 @@ from search_spaces import PLAIN, Strategy, easyspec_plan, uniform_skip_plan
 from search_spaces.layer_plan import LayerPlan
 
 QUANTISED = [name for name, p in PRECISIONS.items() if p.quantised]
-QUANTISED_ROW_INVARIANT = ["int8", "int4", "w8a8"]
+QUANTISED_ROW_INVARIANT = ["int8", "int4", "w8a8", "gguf"]
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN float32 linear")
 ROW_INVARIANT = [*QUANTISED_ROW_INVARIANT, pytest.param("onednn", marks=needs_onednn)]
 
@@ -265,9 +265,9 @@ def _prompt(model, task: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "gguf"])
 def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
-    """Every drafting mode on SmolLM2 served at int8 / int4 equals plain decoding at that precision,
+    """Every drafting mode on SmolLM2 served at int8 / int4 / gguf (its file's Q4_1 and Q8_0 blocks) equals plain decoding at that precision,
     token for token, with speculation asserted; the model id names the precision."""
     target = qpool.get("smollm2-135m", precision)
     assert target.model_id.endswith(f"#{precision}") and target.precision == precision
@@ -295,7 +295,7 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
             if strategy.drafter != "prompt-lookup":
                 assert got.stats.drafted > 0
         chain = build_decoder(qpool, target, strategies[0][0], "smollm2-135m")
-        assert chain.target.head.kind == "int8" and chain.drafter.model.head.kind == other  # an int4 draft's head is int4
+        assert chain.target.head.kind == head_backend(precision) and chain.drafter.model.head.kind == other  # an int4 draft's head is int4
         drafted = chain.generate(ids, cfg).stats
         assert sum(drafted.accept_hist[2:]) > 0  # depth >= 2 accepted
 

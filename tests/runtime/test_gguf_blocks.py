@@ -1,0 +1,143 @@
+"""The gguf precision: GGUF blocks on ggml's CPU kernels (``runtime.kernels``, ``runtime.gguf_blocks``).
+
+Row invariance at 1..17 rows on every block type the packaged files hold (with a power check: a
+kernel that sums a multi-row call another way fails it), ggml's block decoders against the gguf
+package's reference dequantiser, unsupported types and missing kernels as one-line errors, and the
+packaged models' own blocks read in place."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import kernels
+from runtime.errors import RuntimeUserError
+from runtime.gguf_blocks import GgufLinear, GgufWeights, check_supported, quantise
+
+# ggml type ids of every block type the packaged files hold (SmolLM2: Q4_1, Q8_0; Qwen: Q4_K, Q6_K, Q5_0, Q8_0)
+PACKAGED_TYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+def _weights(kind: str, n: int = 48, k: int = 512, seed: int = 0) -> tuple[torch.Tensor, GgufWeights]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    t = PACKAGED_TYPES[kind]
+    return w, GgufWeights(((kernels.load().quantize(w, t), t),), k)
+
+
+def rows_invariant(linear, x: torch.Tensor) -> bool:
+    """Every row of each call of 1..len(x) rows equals that row computed alone, bit for bit."""
+    alone = [linear(x[i : i + 1]) for i in range(x.shape[0])]
+    for width in range(1, x.shape[0] + 1):
+        together = linear(x[:width])
+        if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(width)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("kind", PACKAGED_TYPES)
+def test_rows_do_not_depend_on_the_call_width(kind):
+    w, blocks = _weights(kind)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-2, 2, 17)[:, None]
+    linear = GgufLinear(w, None, blocks)
+    assert rows_invariant(linear, x)
+    want = torch.nn.functional.linear(x, w)
+    assert ((linear(x) - want).norm() / want.norm()) < 0.1  # it computes the projection
+
+
+class ReorderedRows(GgufLinear):
+    """A deliberately wrong kernel path: calls of several rows multiply the dequantised weights in
+    float32 (another summation order); single rows take ggml's dot products."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return super().__call__(x)
+        return x.float() @ self.source.dequantise().t()
+
+
+def test_the_invariance_check_has_power():
+    w, blocks = _weights("Q4_K")
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(1))
+    assert not rows_invariant(ReorderedRows(w, None, blocks), x)
+
+
+def test_a_fused_projection_computes_each_part_as_its_own_call_does():
+    """Segments of different block types (Q4_K_M files mix Q4_K and Q6_K inside q/k/v) in one call."""
+    parts = [_weights(kind, n=16 * (i + 1), seed=i)[1] for i, kind in enumerate(("Q4_K", "Q6_K", "Q5_0"))]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    fused = GgufLinear(torch.empty(96, 512), None, GgufWeights.cat(parts))(x)
+    separate = torch.cat([GgufLinear(torch.empty(p.rows_total, 512), None, p)(x) for p in parts], dim=1)
+    assert torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("kind", PACKAGED_TYPES)
+def test_ggml_decodes_blocks_as_the_gguf_packages_reference_does(kind):
+    import gguf
+
+    _, blocks = _weights(kind)
+    ((raw, t),) = blocks.segments
+    want = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(t))
+    np.testing.assert_array_equal(blocks.dequantise().numpy(), want)
+
+
+def test_models_without_blocks_are_quantised_as_llama_quantize_would():
+    """Q4_K projections and a Q6_K head where rows are whole 256-element super-blocks; Q5_0 / Q8_0
+    (llama.cpp's fallbacks) where they are not."""
+    from runtime.gguf_blocks import HEAD_TYPES
+
+    assert quantise(torch.randn(32, 512)).types == (PACKAGED_TYPES["Q4_K"],)
+    assert quantise(torch.randn(32, 96)).types == (PACKAGED_TYPES["Q5_0"],)
+    assert quantise(torch.randn(32, 512), HEAD_TYPES).types == (PACKAGED_TYPES["Q6_K"],)
+    assert quantise(torch.randn(32, 96), HEAD_TYPES).types == (PACKAGED_TYPES["Q8_0"],)
+    with pytest.raises(RuntimeUserError, match="multiple of 32"):
+        quantise(torch.randn(32, 100))
+
+
+def test_a_block_type_without_a_cpu_dot_product_is_refused_by_name():
+    with pytest.raises(RuntimeUserError, match=r"blk\.0\.ffn_up\.weight holds Q8_K blocks.*--precision"):
+        check_supported(15, "blk.0.ffn_up.weight")  # Q8_K: an activation type, no dot product of its own
+
+
+def test_missing_kernels_are_one_line_errors(monkeypatch, tmp_path):
+    from runtime.precision import get_precision
+
+    monkeypatch.setattr(kernels, "library_path", lambda: tmp_path / "none.so")
+    kernels.load.cache_clear()
+    try:
+        assert not kernels.available()
+        with pytest.raises(RuntimeUserError, match=r"--precision gguf: ggml kernels are not built for this CPU.*make kernels"):
+            get_precision("gguf", "cpu")
+    finally:
+        monkeypatch.undo()
+        kernels.load.cache_clear()
+    assert kernels.available()
+
+
+def test_the_build_is_keyed_by_the_cpu_flags(monkeypatch):
+    """A cache carried to a CPU with other instruction sets is never loaded there."""
+    here = kernels.build_key()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "sse2")
+    assert kernels.build_key() != here
+
+
+@pytest.mark.slow
+def test_packaged_blocks_are_the_files_own_and_memory_mapped(qpool):
+    """SmolLM2 at gguf runs its file's Q4_1 projections and its tied Q8_0 embedding as the head, in
+    place: the blocks equal the file's bytes, and Hugging Face's dequantised weights are what ggml
+    decodes them into."""
+    import gguf
+
+    from runtime.loading import kept_gguf
+    from runtime.models import resolve_model
+
+    model = qpool.get("smollm2-135m", "gguf")
+    from runtime.loading import prepare_gguf
+
+    prepare_gguf(model)
+    mods = dict(model.hf_model.named_modules())
+    up = mods["model.layers.3.mlp.up_proj"].gguf_weights
+    head = mods["lm_head"].gguf_weights
+    assert up.types == (PACKAGED_TYPES["Q4_1"],) and head.types == (PACKAGED_TYPES["Q8_0"],)
+    reader = gguf.GGUFReader(str(kept_gguf(resolve_model("smollm2-135m"), "smollm2-135m")))
+    raw = next(t for t in reader.tensors if t.name == "blk.3.ffn_up.weight")
+    assert np.array_equal(up.segments[0][0].numpy(), np.asarray(raw.data))
+    assert torch.equal(up.dequantise(), mods["model.layers.3.mlp.up_proj"].weight.detach())
