@@ -63,8 +63,16 @@ AUTO = "auto"
 AUTO_PRECISION: dict[str, str | Callable[[], str]] = {
     "cpu": cpu_auto_precision, "cuda": "bfloat16", "xpu": "bfloat16", "mps": "bfloat16",
 }
+def cpu_auto_draft_precision() -> str:
+    """Drafts never have to be exact: gguf where ``auto`` measured its kernels fastest on this CPU
+    (ggml's one-row dot products, a draft's step), else int4 (torch's weight-only kernel)."""
+    return "gguf" if cpu_auto_precision() == "gguf" else "int4"
+
+
 # drafts never have to be exact: ``auto`` picks the fastest draft step measured per device kind
-AUTO_DRAFT_PRECISION: dict[str, str] = {"cpu": "int4", "cuda": "bfloat16", "mps": "bfloat16"}
+AUTO_DRAFT_PRECISION: dict[str, str | Callable[[], str]] = {
+    "cpu": cpu_auto_draft_precision, "cuda": "bfloat16", "mps": "bfloat16",
+}
 DEFAULT_PRECISION = "float32"  # the library default: float32 arithmetic (runtime.linear.float32_cpu_backend)
 
 
@@ -120,6 +128,9 @@ def draft_precision(name: str, device: str | torch.device, compiled: bool = Fals
     if name == AUTO:
         if kind not in AUTO_DRAFT_PRECISION:
             raise RuntimeUserError(f"no automatic draft precision for device '{device}'; pass --draft-precision")
-        auto = PRECISIONS[AUTO_DRAFT_PRECISION[kind]]
+        chosen = AUTO_DRAFT_PRECISION[kind]
+        if compiled and not isinstance(chosen, str):  # the CPU's measured choice is quantised: nothing to probe
+            return PRECISIONS["float32"]
+        auto = PRECISIONS[chosen if isinstance(chosen, str) else chosen()]
         return PRECISIONS["float32"] if compiled and auto.backend != "dense" else auto
     return get_precision(name, device, compiled, what="--draft-precision")

@@ -15,7 +15,7 @@ from search_spaces.layer_plan import LayerPlan
 SCHEMA_VERSION = 1
 
 DRAFTER_KINDS = ("none", "draft-model", "layer-skip", "prompt-lookup")
-DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8", "int4", "w8a8")
+DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8", "int4", "w8a8", "gguf")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
 LOOKUP_FIRST_MIN_NGRAM = 3  # `lookup_first` copies only after a match of this many tokens (short ones copy noise)

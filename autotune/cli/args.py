@@ -18,7 +18,8 @@ MODEL_FLAGS: dict[str, dict[str, Any]] = {
     "precision": {"aliases": ("--dtype",), "default": "auto",
                   "help": "target arithmetic: float32 (CPU: oneDNN kernels; AUTOTUNE_FLOAT32_KERNEL=dense: identical to Hugging "
                           "Face float32), bfloat16, int8, int4 (weight-only, bf16 activations), w8a8 (int8 weights and "
-                          "activations), or auto (int4 or w8a8 on CPU, measured; bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "
+                          "activations), gguf (the GGUF file's own blocks on llama.cpp's ggml kernels; `make kernels`), "
+                          "or auto (int4, w8a8 or gguf on CPU, measured; bfloat16 on CUDA); speculation is lossless relative to plain decoding at the same "
                           "precision. --dtype is the same flag"},
     "device": {"default": "cpu"},
     "compile": {"action": "store_true",
@@ -35,7 +36,7 @@ PROMPT_FLAGS: dict[str, dict[str, Any]] = {
 }
 STRATEGY_FLAGS: dict[str, dict[str, Any]] = {
     "draft_length": {"type": int, "help": "tokens drafted per round (strategy default if unset)"},
-    "draft_precision": {"help": "draft arithmetic: auto, float32, bfloat16, int8, int4, w8a8 (strategy default if unset)"},
+    "draft_precision": {"help": "draft arithmetic: auto, float32, bfloat16, int8, int4, w8a8, gguf (strategy default if unset)"},
     "draft_vocab": {"type": int, "help": "restrict the draft head to ids < N (0 = full head)"},
     "confidence_threshold": {"type": float, "help": "stop drafting below this top-1 probability"},
     "tree_widths": {"help": "draft a token tree: children per node at each depth, e.g. 4,2,2,1,1"},

@@ -14,8 +14,8 @@ def add_parser(sub: Any) -> None:
     add_model_args(p, ["model", "draft", "device", "precision"],
                    draft={"help": "draft model (default: the target drafts for itself)"},
                    precision={"default": "auto",
-                              "help": "precision(s) to time, comma-separated, e.g. float32,int4,w8a8 (default: auto, "
-                                      "int4 on CPU and bfloat16 on CUDA); one table each, then a comparison by rows"})
+                              "help": "precision(s) to time, comma-separated, e.g. float32,int4,w8a8,gguf (default: auto, "
+                                      "measured on CPU, bfloat16 on CUDA); one table each, then a comparison by rows"})
     p.add_argument("--random-weights", action="store_true",
                    help="build the models from their configs with random weights (no weights needed)")
     p.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")

@@ -193,8 +193,8 @@ def _precision_text(info: dict[str, Any] | None) -> str:
     fastest, plain = info["fastest"], info["fastest_plain"]
     text = f"tuned at {info['precision']}"
     if info["precision"] in CANDIDATES and info["precision"] == auto_precision("cpu"):  # CPU-only precisions
-        text += (" (auto on this CPU: of int4 and w8a8, whose speculation is exact relative to their plain "
-                 "decoding, the one its kernels ran faster)")
+        text += (f" (auto on this CPU: of {', '.join(CANDIDATES)}, whose speculation is exact relative to their plain "
+                 "decoding, the one whose kernels ran a plain step and an 8-row verify fastest)")
     text += (f"; predicted fastest here: {fastest} for the stored strategy ({est[fastest]['chosen_tps']:.1f} tok/s), "
              f"{plain} for plain decoding ({est[plain]['plain_tps']:.1f} tok/s)")
     if fastest != info["precision"]:

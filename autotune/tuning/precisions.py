@@ -25,7 +25,7 @@ from runtime.stats import DecodeStats
 
 # the precisions compared besides the study's own (float32's packed verify copy of a large target
 # costs its whole size again, and it is the slowest on every CPU measured: compared only when current)
-CANDIDATES = ("int8", "int4", "w8a8")
+CANDIDATES = ("int8", "int4", "w8a8", "gguf")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def test_the_build_is_keyed_by_the_cpu_flags(monkeypatch):
 
 
 @pytest.mark.slow
-def test_packaged_blocks_are_the_files_own_and_memory_mapped(qpool):
+def test_packaged_blocks_are_the_files_own_and_memory_mapped(pool):
     """SmolLM2 at gguf runs its file's Q4_1 projections and its tied Q8_0 embedding as the head, in
     place: the blocks equal the file's bytes, and Hugging Face's dequantised weights are what ggml
     decodes them into."""
@@ -129,9 +129,9 @@ def test_packaged_blocks_are_the_files_own_and_memory_mapped(qpool):
     from runtime.loading import kept_gguf
     from runtime.models import resolve_model
 
-    model = qpool.get("smollm2-135m", "gguf")
     from runtime.loading import prepare_gguf
 
+    model = pool.get("smollm2-135m", "gguf")
     prepare_gguf(model)
     mods = dict(model.hf_model.named_modules())
     up = mods["model.layers.3.mlp.up_proj"].gguf_weights
