@@ -105,3 +105,25 @@ def cpu_auto_precision() -> str:
     except OSError:  # an unwritable cache: this process keeps its answer, the next one probes again
         pass
     return choice
+
+
+def explain(precision: str, asked: str = "auto") -> str:
+    """Why a model runs at ``precision`` (``asked``: what the user passed), in words: ``auto``'s
+    measured choice on this CPU (each candidate's probe time, what was unavailable), its pin, or
+    the user's explicit choice."""
+    if asked != "auto":
+        return f"{precision} (--precision {asked})"
+    pinned = os.environ.get(PIN_ENV, "").strip()
+    if pinned:
+        return f"{precision} (${PIN_ENV}={pinned})"
+    try:
+        kept = json.loads((cache_root() / CACHE_FILE).read_text()).get(cpu_fingerprint())
+    except (OSError, ValueError, AttributeError):
+        kept = None
+    if not isinstance(kept, dict) or kept.get("precision") != precision:
+        return f"{precision} (auto)"
+    timed = kept.get("seconds", {})
+    parts = [f"{name} {timed[name] * 1e3:.0f} ms" if timed.get(name) is not None else f"{name} unavailable"
+             for name in CANDIDATES if name in timed]
+    return (f"{precision} (auto on this CPU: a plain step plus an {kept.get('verify_rows', VERIFY_ROWS)}-row verify "
+            f"of the probe's projections took {', '.join(parts)})")

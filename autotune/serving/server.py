@@ -207,7 +207,8 @@ def serve(cfg: ServeConfig) -> int:
         if name:
             resolve_model(name)  # an unknown model name is one line before anything loads
     with open_storage(cfg.storage) as storage:
-        launcher = Launcher(lambda: build_server(cfg, storage), cfg.refresh_s, cfg.grace_s, on_ready=_announce)
+        launcher = Launcher(lambda: build_server(cfg, storage), cfg.refresh_s, cfg.grace_s,
+                            on_ready=lambda server: _announce(server, str(cfg.dtype)))
         config = uvicorn.Config(launcher, host=cfg.host, port=cfg.port, log_level="warning",
                                 timeout_graceful_shutdown=cfg.grace_s + BACKSTOP_S)  # type: ignore[arg-type]
         print(f"autotune serve: loading {cfg.model}; listening on http://{cfg.host}:{cfg.port} "
@@ -218,8 +219,11 @@ def serve(cfg: ServeConfig) -> int:
     return 0
 
 
-def _announce(server: Any) -> None:
-    print(f"autotune serve: {server.name} ready (routes: {', '.join(server.book.describe())})", flush=True)
+def _announce(server: Any, asked: str) -> None:
+    from runtime.auto_precision import explain
+
+    print(f"autotune serve: {server.name} ready at {explain(server.target.precision, asked)} "
+          f"(routes: {', '.join(server.book.describe())})", flush=True)
 
 
 def _run_uvicorn(config: Any, launcher: Any) -> None:

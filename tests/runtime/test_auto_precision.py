@@ -72,3 +72,12 @@ def test_a_kept_answer_without_a_candidate_is_probed_again(unpinned, monkeypatch
     unpinned.write_text(json.dumps({cpu_fingerprint(): {"precision": "w8a8", "seconds": {"int4": 0.009, "w8a8": 0.004}}}))
     monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.009, "w8a8": 0.004, "gguf": 0.002})
     assert auto_precision.cpu_auto_precision() == "gguf"
+
+
+def test_the_choice_is_explained_with_the_probe_times(unpinned, monkeypatch):
+    """The study's and the server's words for a precision: auto's measured times where auto chose it."""
+    monkeypatch.setattr(auto_precision, "probe", lambda: {"int4": 0.045, "w8a8": float("inf"), "gguf": 0.028})
+    assert auto_precision.cpu_auto_precision() == "gguf"
+    text = auto_precision.explain("gguf")
+    assert text.startswith("gguf (auto on this CPU") and "int4 45 ms" in text and "w8a8 unavailable" in text
+    assert auto_precision.explain("int4", asked="int4") == "int4 (--precision int4)"
