@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime import kernels
 from runtime.errors import RuntimeUserError
 from runtime.gguf_blocks import GgufLinear
+from runtime.kernels import available as ggml_kernels_available
 from runtime.quant import (
     Bf16Linear, Int8DynamicLinear, Int8WeightOnlyLinear, W8A8Linear, fbgemm_available, int4_linear, int_mm_available,
     weight_only_available,
@@ -186,7 +186,7 @@ BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
     "int8": weight_only_available,
     "int4": weight_only_available,
     "w8a8": int_mm_available,
-    "gguf": kernels.available,
+    "gguf": ggml_kernels_available,
 }
 
 

@@ -19,7 +19,8 @@ import torch
 
 from runtime.auto_precision import cpu_auto_precision
 from runtime.errors import RuntimeUserError
-from runtime import kernels
+from runtime.kernels import KernelsUnavailable
+from runtime.kernels import load as load_ggml_kernels
 from runtime.linear import float32_cpu_backend
 
 
@@ -108,10 +109,10 @@ def get_precision(name: str, device: str | torch.device, compiled: bool = False,
             f"{what} {name} has no backend on '{kind}' here (it runs torch's {', '.join(p.devices)} kernels); "
             f"use {what} bfloat16 or auto on {kind}"
         )
-    if p.backend == "gguf" and not kernels.available():
+    if p.backend == "gguf":
         try:
-            kernels.load()
-        except kernels.KernelsUnavailable as exc:
+            load_ggml_kernels()
+        except KernelsUnavailable as exc:
             raise RuntimeUserError(f"{what} gguf: {exc}") from exc
     if compiled and p.backend != "dense":
         raise RuntimeUserError(

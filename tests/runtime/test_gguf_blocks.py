@@ -141,3 +141,24 @@ def test_packaged_blocks_are_the_files_own_and_memory_mapped(pool):
     raw = next(t for t in reader.tensors if t.name == "blk.3.ffn_up.weight")
     assert np.array_equal(up.segments[0][0].numpy(), np.asarray(raw.data))
     assert torch.equal(up.dequantise(), mods["model.layers.3.mlp.up_proj"].weight.detach())
+
+
+def test_a_build_without_a_toolchain_fails_with_one_line(monkeypatch, capsys):
+    from runtime.kernels import build
+
+    monkeypatch.setattr(build.shutil, "which", lambda tool: None)
+    assert build.main() == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no `cmake` on PATH" in err and "make kernels" in err
+
+
+def test_a_failed_build_step_names_the_step_and_its_log(monkeypatch, tmp_path, capsys):
+    from runtime.kernels import build
+
+    monkeypatch.setattr(build, "library_path", lambda: tmp_path / "ext" / "none.so")
+    monkeypatch.setattr(build, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(build, "source_tree", lambda log: tmp_path / "no-such-tree")
+    assert build.main() == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ggml kernels: configuring ggml (cmake) failed") \
+        and str(tmp_path / "build.log") in err
