@@ -44,8 +44,16 @@ def load_strategy_file(path: str | Path) -> Strategy:
         raise StrategyError(f"strategy file {path}: {exc}") from None
 
 
-def missing_best_message(model: str, task: str, draft: str | None) -> str:
+def missing_best_message(model: str, task: str, draft: str | None, other_precisions: list[str] | None = None) -> str:
     with_draft = f" with draft {draft}" if draft else ""
+    name = model.split("@", 1)[0]
+    precision = _precision_of(model)
+    if other_precisions:
+        return (
+            f"no tuned strategy stored for model {model}{with_draft} task {task} on this hardware at precision "
+            f"{precision}, only at {', '.join(other_precisions)}; re-tune at this precision with `autotune study "
+            f"--model {name} --task {task} --precision {precision}`, or pass --precision {other_precisions[0]}"
+        )
     return (
         f"no tuned strategy stored for model {model}{with_draft} task {task} on this hardware; run "
         f"`autotune study --model {model} --task {task}` first, or pass --strategy default"
@@ -61,14 +69,32 @@ def resolve_strategy(spec: str, storage: Any, key: StrategyKey, fallback: Strate
         return load_strategy_file(spec)
     from autotune.store.storage import Storage, open_storage
 
+    def lookup(opened: Any) -> tuple[Any, list[str]]:
+        found = opened.best(key)
+        return found, ([] if found is not None else other_precisions(opened, key))
+
     if isinstance(storage, Storage):
-        found = storage.best(key)
+        found, others = lookup(storage)
     else:
         with open_storage(storage) as opened:
-            found = opened.best(key)
+            found, others = lookup(opened)
     if found is None:
-        raise StorageError(missing_best_message(key.model_id, key.task, key.draft_id))
+        raise StorageError(missing_best_message(key.model_id, key.task, key.draft_id, others))
     return found.strategy
+
+
+def _precision_of(model_id: str) -> str:
+    """The precision a model id names (``alias@rev#int4``), ``float32`` where it names none."""
+    return model_id.split("#", 1)[1] if "#" in model_id else "float32"
+
+
+def other_precisions(storage: Any, key: StrategyKey) -> list[str]:
+    """Precisions at which ``key``'s model, draft and task have a stored strategy on this hardware
+    (strategies are kept per precision: one tuned at another is never served at this one)."""
+    base = key.model_id.split("#", 1)[0]
+    rows = storage.list_best(task=key.task, draft_id=key.draft_id, hardware=key.hardware)
+    return sorted({_precision_of(r.key.model_id) for r in rows
+                   if r.key.model_id.split("#", 1)[0] == base and r.key.model_id != key.model_id})
 
 
 def load_best_strategy(

@@ -502,3 +502,19 @@ def test_two_processes_tune_one_optuna_study_concurrently(store_url, tmp_path):
     assert len(trials) == 80 and len({t.number for t in trials}) == 80
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     assert sorted(t.user_attrs["worker"] for t in trials) == [1] * 40 + [2] * 40
+
+
+def test_a_best_stored_only_at_another_precision_is_named_with_the_command_that_re_tunes(store: Storage):
+    """Strategies are kept per precision (the model id names it): asking for ``best`` at gguf where
+    only an int4 study was stored names int4 and the study command, rather than a bare miss."""
+    from autotune.store.resolve import resolve_strategy
+
+    int4 = StrategyKey(f"{KEY.model_id}#int4", KEY.model_revision, "", KEY.task, KEY.hardware)
+    store.record(int4, PLAIN, ResultMetrics(score=1.0))
+    gguf = StrategyKey(f"{KEY.model_id}#gguf", KEY.model_revision, "", KEY.task, KEY.hardware)
+    with pytest.raises(StorageError, match=r"at precision gguf, only at int4; re-tune at this precision with "
+                                           r"`autotune study --model smollm2-135m --task gsm8k --precision gguf`"):
+        resolve_strategy("best", store, gguf, PLAIN)
+    other_task = StrategyKey(gguf.model_id, KEY.model_revision, "", "humaneval", KEY.hardware)
+    with pytest.raises(StorageError, match="no tuned strategy stored for model .*#gguf task humaneval on this hardware; run"):
+        resolve_strategy("best", store, other_task, PLAIN)
