@@ -64,6 +64,8 @@ AUTO = "auto"
 AUTO_PRECISION: dict[str, str | Callable[[], str]] = {
     "cpu": cpu_auto_precision, "cuda": "bfloat16", "xpu": "bfloat16", "mps": "bfloat16",
 }
+
+
 def cpu_auto_draft_precision() -> str:
     """Drafts never have to be exact: gguf where ``auto`` measured its kernels fastest on this CPU
     (ggml's one-row dot products, a draft's step), else int4 (torch's weight-only kernel)."""
