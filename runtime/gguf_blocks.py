@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from runtime.errors import RuntimeUserError
-from runtime.gguf_int4 import LAYER_TENSORS, _llama_rows
+from runtime.gguf_int4 import LAYER_TENSORS, llama_rows
 
 # ggml type ids (ggml.h's enum ggml_type; the gguf package's GGMLQuantizationType holds the same)
 Q4_K, Q6_K, Q5_0, Q8_0 = 12, 14, 6, 8
@@ -124,7 +124,7 @@ def read_gguf_blocks(path: Path, config: Any) -> dict[str, GgufWeights]:
         rows = _tensor_rows(t)
         if config.model_type == "llama" and parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
-            rows = rows[torch.from_numpy(_llama_rows(rows.shape[0], heads))].contiguous()
+            rows = rows[torch.from_numpy(llama_rows(rows.shape[0], heads))].contiguous()
         out[f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"] = GgufWeights(((rows, kind),), int(t.shape[0]))
     if head is not None:
         check_supported(int(head.tensor_type), head.name)

@@ -67,7 +67,7 @@ def q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 DECODERS = {"Q4_1": q4_1, "Q4_K": q4_k}
 
 
-def _llama_rows(n: int, heads: int) -> np.ndarray:
+def llama_rows(n: int, heads: int) -> np.ndarray:
     """The row order Hugging Face's GGUF loader gives llama q/k projections (it undoes the
     rotary interleave llama.cpp's converter applied)."""
     dim = n // heads // 2
@@ -88,7 +88,7 @@ def read_gguf_int4(path: Path, config: Any) -> dict[str, Int4Weights]:
         q, scale, zero = DECODERS[t.tensor_type.name](np.asarray(t.data))
         if config.model_type == "llama" and parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
-            rows = _llama_rows(q.shape[0], heads)
+            rows = llama_rows(q.shape[0], heads)
             q, scale, zero = q[rows], scale[rows], zero[rows]
         out[f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"] = Int4Weights(
             torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
