@@ -154,29 +154,6 @@ torch::Tensor dequantize(const torch::Tensor& w_in, int64_t type, int64_t K) {
     return out;
 }
 
-// rows `ids` of a uint8 [V, row_bytes] table of ggml type `type` -> float32 [len(ids), K] (an embedding lookup)
-torch::Tensor get_rows(const torch::Tensor& table, int64_t type, int64_t K, const torch::Tensor& ids_in) {
-    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kUInt8 && table.is_contiguous(), "table must be contiguous uint8 rows");
-    const ggml_type t = static_cast<ggml_type>(type);
-    const auto* traits = ggml_get_type_traits(t);
-    const size_t rb = ggml_row_size(t, K);
-    TORCH_CHECK(static_cast<size_t>(table.size(1)) == rb, "row bytes do not match ", ggml_type_name(t), " x ", K);
-    const torch::Tensor ids = ids_in.to(torch::kLong).contiguous().view(-1);
-    const int64_t T = ids.size(0), V = table.size(0);
-    torch::Tensor out = torch::empty({T, K}, torch::kFloat32);
-    const int64_t* ip = ids.data_ptr<int64_t>();
-    const uint8_t* src = table.data_ptr<uint8_t>();
-    float* dst = out.data_ptr<float>();
-    for (int64_t i = 0; i < T; ++i) {
-        TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " out of range [0, ", V, ")");
-        traits->to_float(src + ip[i] * rb, dst + i * K, K);
-    }
-    return out;
-}
-
-int64_t row_size(int64_t type, int64_t K) { return static_cast<int64_t>(ggml_row_size(static_cast<ggml_type>(type), K)); }
-int64_t block_size(int64_t type) { return ggml_blck_size(static_cast<ggml_type>(type)); }
-std::string type_name(int64_t type) { return ggml_type_name(static_cast<ggml_type>(type)); }
 bool has_dot(int64_t type) {
     if (type < 0 || type >= GGML_TYPE_COUNT) return false;
     const auto* t = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
@@ -198,10 +175,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("weights"), py::arg("types"), py::call_guard<py::gil_scoped_release>());
     m.def("quantize", &quantize, py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
     m.def("dequantize", &dequantize, py::arg("w"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
-    m.def("get_rows", &get_rows, py::arg("table"), py::arg("type"), py::arg("k"), py::arg("ids"));
-    m.def("row_size", &row_size);
-    m.def("block_size", &block_size);
-    m.def("type_name", &type_name);
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }
