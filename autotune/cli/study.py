@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trials", type=int, help="stop tuning after this many trials (S; default 1000)")
     p.add_argument("--patience", type=int, help="stop after this many trials without a new racer (default 300)")
     p.add_argument("--window", type=int, help="generated tokens each candidate is scored on (gamma; default 32)")
-    p.add_argument("--beta", type=int, help="every beta-th trial is Bayesian (default 10)")
+    p.add_argument("--beta", type=int, help="every beta-th sampled (not enqueued) trial is Bayesian (default 2)")
     p.add_argument("--stop-matchness", type=float, help="stop tuning once the best matchness reaches this (0..1]")
     p.add_argument("--max-share", type=float, help="cap on tuning time as a share of decode time (default 0.02)")
     p.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
@@ -137,8 +137,10 @@ def format_study(report: Any) -> str:
         ("candidates", _candidates_text(report)),
         ("predicted / measured", _ratio_text(t.get("stored") or {})),
         ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
-                         f"({t['trials']} trials, {t.get('measured_trials', 0)} measured; "
-                         f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows)"),
+                         f"({t['trials']} trials, {t.get('bayes_trials', 0)} Bayesian, "
+                         f"{t.get('measured_trials', 0)} measured; "
+                         f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows); one-time: "
+                         + _costs_text(t)),
         ("while tuning", _while_tuning_text(report)),
         ("stored", f"{describe(report.chosen)}: {stored} in {report.storage_url} (history row {report.history_id})"),
         ("precision", _precision_text(report.extra.get("precision"))),
@@ -151,6 +153,13 @@ def format_study(report: Any) -> str:
     return cap.get()
 
 
+def _costs_text(t: dict[str, Any]) -> str:
+    """Where the cost model's timings came from, and what timing them cost (once per models and machine)."""
+    if t.get("costs") == "kept":
+        return f"cost model from the store ({t.get('calibration_s', 0.0):.1f} s timing plans first priced)"
+    return f"{t.get('calibration_s', 0.0):.1f} s timing the cost model (kept in the store for the next study)"
+
+
 def _in_sample_text(report: Any) -> str:
     ins = report.in_sample_speedup
     return f"; {ins:.2f}x plain in-sample (predicted on the prompts it tuned on)" if ins else ""
@@ -159,6 +168,8 @@ def _in_sample_text(report: Any) -> str:
 def _held_out_text(report: Any) -> str:
     """The stored strategy's speed-up over plain decoding on prompts the tuner never saw, and how
     much that check is worth."""
+    from autotune.tuning.heldout import INTERVAL, rests_on
+
     v = report.verdict
     n = len(v.plain.runs)
     text = (f"{report.speedup:.2f}x ({report.chosen_tps:.2f} tok/s vs plain {report.plain_tps:.2f}, "
@@ -167,7 +178,10 @@ def _held_out_text(report: Any) -> str:
         return text + "; IN-SAMPLE: one prompt, nothing held out of tuning (--limit 2 or more holds prompts out)"
     if n == 1:
         return text + "; held out of tuning, but one prompt is a weak check (--limit 10 holds out 3)"
-    return text + "; on prompts held out of tuning"
+    band = v.interval
+    if band is not None and report.chosen.speculates:
+        text += f"; {100 * INTERVAL:.0f}% interval {band[0]:.2f}-{band[1]:.2f}x"
+    return text + f"; on prompts held out of tuning; rests on {rests_on(v)}"
 
 
 def _candidates_text(report: Any) -> str:

@@ -21,6 +21,7 @@ STUDY_NAME_LIMIT = 512  # as Optuna's own study_name column
 # first ones given, each clipped to this many characters (its head and tail; see ``clip_prompt``)
 PROMPTS_PER_RECORD = 64
 PROMPT_CHARS = 4096
+COST_SHAPE_LIMIT = 200  # autotune_costs.shape: what the kept timings were timed for, besides the key
 _CLIP_JOIN = "\n...\n"
 
 

@@ -5,6 +5,10 @@
 - ``autotune_history``: every result ever recorded (append only).
 - ``autotune_prompts``: the prompts a result was tuned on (its routing texts, in order; at most
   ``PROMPTS_PER_RECORD``, each clipped to ``PROMPT_CHARS``), by history row.
+- ``autotune_costs``: the tuner's cost-model timings (``MeasuredCostModel.timings``) per model
+  (its id carries the precision), draft, hardware and ``shape`` (verify width, padding, the
+  drafting model's backend): they depend on those, not on the prompts, so a study starts
+  scoring at its first window instead of timing them again.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from sqlalchemy import (
     Column, DateTime, Float, Index, Integer, MetaData, String, Table, Text, UniqueConstraint, and_,
 )
 
-from autotune.store.records import KEY_LIMITS, STUDY_NAME_LIMIT, HistoryEntry, StoredStrategy, StrategyKey
+from autotune.store.records import COST_SHAPE_LIMIT, KEY_LIMITS, STUDY_NAME_LIMIT, HistoryEntry, StoredStrategy, StrategyKey
 
 metadata = MetaData()
 
@@ -61,6 +65,20 @@ prompts_table = Table(
     Column("history_id", Integer, nullable=False, index=True),  # the autotune_history row it was tuned for
     Column("position", Integer, nullable=False),  # order within the record
     Column("text", Text, nullable=False),
+)
+
+
+costs_table = Table(
+    "autotune_costs", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("model_id", String(KEY_LIMITS["model_id"]), nullable=False),
+    Column("model_revision", String(KEY_LIMITS["model_revision"]), nullable=False),
+    Column("draft_id", String(KEY_LIMITS["draft_id"]), nullable=False),
+    Column("hardware", String(KEY_LIMITS["hardware"]), nullable=False),
+    Column("shape", String(COST_SHAPE_LIMIT), nullable=False),
+    Column("timings", Text, nullable=False),  # JSON
+    Column("updated_at", DateTime, nullable=False),  # UTC
+    UniqueConstraint("model_id", "model_revision", "draft_id", "hardware", "shape", name="uq_autotune_costs_key"),
 )
 
 

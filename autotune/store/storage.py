@@ -5,8 +5,9 @@ Our tables carry the prefix ``autotune_``; Optuna keeps its studies and trials i
 the same database (``Storage.optuna_storage()``), so ``optuna-dashboard URL`` shows the tuning runs.
 
 The tables (``autotune.store.schema``): ``autotune_best`` (one best row per ``StrategyKey``),
-``autotune_history`` (every result, append only) and ``autotune_prompts`` (the routing texts a
-result was tuned on: what the server's task router is fitted on, ``Storage.routes``). Opening a
+``autotune_history`` (every result, append only), ``autotune_prompts`` (the routing texts a
+result was tuned on: what the server's task router is fitted on, ``Storage.routes``) and
+``autotune_costs`` (the tuner's cost-model timings, ``Storage.costs``). Opening a
 database (URLs, drivers, SQLite's set-up) is ``autotune.store.engine``.
 
 Each ``record`` is one transaction (history row + prompt rows + best row, or nothing: a crash never
@@ -19,6 +20,7 @@ PostgreSQL the best row is offered with ``INSERT .. ON CONFLICT DO NOTHING`` and
 from __future__ import annotations
 
 import importlib
+import json
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import delete, insert, or_, select, update
+from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -35,11 +37,11 @@ from autotune.store.engine import (
     ENV_STORAGE, WRITE, default_storage_url, engine_kwargs, first_line, make_engine, transient,
 )
 from autotune.store.records import (
-    KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, HistoryEntry, ResultMetrics, StoredStrategy, StrategyKey,
+    COST_SHAPE_LIMIT, KEY_LIMITS, PROMPT_CHARS, PROMPTS_PER_RECORD, HistoryEntry, ResultMetrics, StoredStrategy, StrategyKey,
     bounded_prompts,
 )
 from autotune.store.schema import (
-    best_table, entry_from_row, history_table, key_match, metadata, prompts_table, scope, stored_from_row, utcnow,
+    best_table, costs_table, entry_from_row, history_table, key_match, metadata, prompts_table, scope, stored_from_row, utcnow,
 )
 from search_spaces.strategy import Strategy
 
@@ -116,6 +118,33 @@ class Storage:
             return int(history_id)
 
         return self._write(work)
+
+    def keep_costs(self, key: StrategyKey, shape: str, timings: dict[str, Any]) -> None:
+        """Keep the cost model's ``timings`` for ``key``'s model, draft and hardware (any task) and
+        ``shape``, replacing what was kept (one transaction)."""
+        text = json.dumps(timings)
+        if len(shape) > COST_SHAPE_LIMIT:
+            raise StorageError(f"cost shape {shape[:40]!r}... is longer than {COST_SHAPE_LIMIT} characters")
+        where = _costs_match(key, shape)
+
+        def work(conn: Connection) -> None:
+            conn.execute(delete(costs_table).where(where))
+            conn.execute(insert(costs_table).values(
+                model_id=key.model_id, model_revision=key.model_revision, draft_id=key.draft_id,
+                hardware=key.hardware, shape=shape, timings=text, updated_at=utcnow()))
+
+        self._write(work)
+
+    def costs(self, key: StrategyKey, shape: str) -> dict[str, Any] | None:
+        """The timings kept by ``keep_costs`` for ``key``'s model, draft and hardware and ``shape``,
+        or None (none kept, or unreadable: they are timed again)."""
+        query = select(costs_table.c.timings).where(_costs_match(key, shape))
+        text = self._read(lambda conn: conn.execute(query).scalar())
+        try:
+            kept = json.loads(text) if text else None
+        except ValueError:
+            return None
+        return kept if isinstance(kept, dict) else None
 
     def delete(self, best_id: int) -> bool:
         """Forget the best strategy ``best_id`` (its history stays). False when no such row."""
@@ -229,6 +258,12 @@ class Storage:
             if retryable and transient(exc):
                 raise _Retry() from exc
             raise StorageError(f"storage {self.display_url} failed: {first_line(exc)}") from exc
+
+
+def _costs_match(key: StrategyKey, shape: str) -> Any:
+    return and_(costs_table.c.model_id == key.model_id, costs_table.c.model_revision == key.model_revision,
+                costs_table.c.draft_id == key.draft_id, costs_table.c.hardware == key.hardware,
+                costs_table.c.shape == shape)
 
 
 class KeyTaken(Exception):

@@ -2,7 +2,7 @@
 
 Tuning time is an allowance accruing at ``max_share`` of the time that passes while prompts
 decode (not between them), divided by 1 + the windows in a row the incumbent has led (re-scoring
-less once stable), and tuning spends it, the cost model's one-time timing included (trials wait
+less once stable), and tuning spends it (trials wait
 until the allowance is positive again, so the share stays at ``max_share``). A lower share later
 does not claw back earlier time.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 @dataclass
 class Budget:
     """The tuning-time allowance: accrues at the current share of elapsed decode time, tuning
-    spends it (the cost model's one-time timing too)."""
+    spends it."""
 
     max_share: float
     clock: Callable[[], float]

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -202,12 +202,42 @@ class MeasuredCostModel:
             self._width[rows] = self._forward_s(self.target, rows, None, every_logit=True)
         return self._width[rows]
 
-    def prepare(self) -> None:
+    def timings(self) -> dict[str, Any]:
+        """What was timed and learnt, to keep (``autotune.store``: per model, draft, precision and
+        hardware) and ``restore`` in a later study, so it starts scoring at its first window. Plans
+        with layer-parallel groups are left out (timed on first use)."""
+        return {"verify_width": self.verify_width, "padded": self.padded, "context": self.context,
+                "linear": list(self._linear) if self._linear else None, "rows": list(self._rows) if self._rows else None,
+                "verify": self._verify, "width": {str(k): v for k, v in self._width.items()}, "plain": self._plain,
+                "full": self._full, "draft_scale": self.draft_scale, "verify_scale": self.verify_scale}
+
+    def restore(self, kept: dict[str, Any]) -> bool:
+        """Take timings kept by ``timings`` when they were timed at this verify width and padding;
+        -> whether they were taken (what is missing is timed on first use, as without them)."""
+        if not isinstance(kept, dict) or kept.get("verify_width") != self.verify_width \
+                or kept.get("padded") != self.padded:
+            return False
+        try:
+            linear, rows = kept.get("linear"), kept.get("rows")
+            self._linear = (float(linear[0]), float(linear[1]), float(linear[2])) if linear else None
+            self._rows = (float(rows[0]), float(rows[1])) if rows else None
+            self._verify = _seconds(kept.get("verify"))
+            self._width = {int(k): float(v) for k, v in (kept.get("width") or {}).items() if _seconds(v)}
+            self._plain, self._full = _seconds(kept.get("plain")), _seconds(kept.get("full"))
+            self.draft_scale = _seconds(kept.get("draft_scale")) or 1.0
+            self.verify_scale = _seconds(kept.get("verify_scale")) or 1.0
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return False
+        return True
+
+    def prepare(self, fit_skips: bool = False) -> None:
         """Time now everything a controller's scoring may price: the plain step, the full verify,
         the draft step and its catch-up, and (unpadded) every verify row count. Otherwise a count
         is timed the first time it is priced, inside a request: on the 1.5B at int4 that made
         request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget."""
         self.plain_step_s(), self.verify_s(), self.draft_forward_s(None), self.catch_up_s(2.0)
+        if fit_skips:  # plans that skip sub-layers are priced from the fit
+            self._fit()
         if not self.padded:
             for rows in range(2, self.verify_width):
                 self._rows_s(rows)
@@ -237,6 +267,13 @@ class MeasuredCostModel:
             self._verify, self.verify_scale = measured_s, 1.0
         else:
             self.verify_scale = (1 - EMA) * self.verify_scale + EMA * measured_s / self._verify_rows(rows)
+
+
+def _seconds(value: Any) -> float | None:
+    """A kept timing: a positive finite number of seconds, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0.0 < value < float("inf") else None
 
 
 @dataclass

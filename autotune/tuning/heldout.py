@@ -16,6 +16,9 @@ differ by less than their spread, the one that varies less across prompts wins; 
 bound is 0 (its speed-up is 1 on every prompt), so a speculating candidate is stored only when its
 bound is above 0: plain decoding wins ties. A candidate whose output differed from plain decoding
 on any prompt is never stored (lossless).
+
+The stored speed-up comes with an ``INTERVAL`` interval from its prompts (``interval``: Student's t
+over the per-prompt log speed-ups) and a note of what it rests on (``rests_on``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ MIN_HELD = 2  # at least this many held out, where tuning keeps MIN_TUNED
 MIN_TUNED = 2
 Z = 1.0  # the bound: one standard error below the mean log speed-up
 NOISE_FLOOR = 0.03  # spread of log speed-ups assumed at least (one prompt's run-to-run noise here)
+INTERVAL = 0.95  # the stated interval of the stored strategy's speed-up on the task
+FEW_PROMPTS = 5  # below this many held-out prompts, the report says the figure rests on few
 
 
 def split_prompts(n: int, every: int = HOLD_EVERY, min_held: int = MIN_HELD) -> tuple[list[int], list[int]]:
@@ -113,6 +118,38 @@ def lower_bound(ups: Sequence[float], z: float = Z, floor: float = NOISE_FLOOR) 
     return mean - z * max(sd, floor) / math.sqrt(len(logs))
 
 
+def interval(candidate: Candidate, plain: Candidate, level: float = INTERVAL) -> tuple[float, float] | None:
+    """A ``level`` interval for the candidate's speed-up on the task, from its held-out prompts:
+    the aggregate speed-up times ``exp(+-t * s / sqrt(n))``, ``s`` the spread of the per-prompt log
+    speed-ups (never below ``NOISE_FLOOR``) and ``t`` Student's quantile for ``n - 1`` degrees of
+    freedom (3 prompts: t = 4.30 at 95%, a wide interval, as it should be). None below 2 prompts."""
+    from scipy.stats import t as student
+
+    ups = speedups(candidate, plain)
+    if len(ups) < 2 or any(u <= 0 for u in ups):
+        return None
+    logs = [math.log(u) for u in ups]
+    mean = sum(logs) / len(logs)
+    sd = max(math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)), NOISE_FLOOR)
+    half = float(student.ppf(0.5 + level / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
+    centre = aggregate_speedup(candidate, plain)
+    return centre * math.exp(-half), centre * math.exp(half)
+
+
+def rests_on(verdict: "Verdict") -> str:
+    """What the stored figure rests on: the held-out prompts and tokens behind it, and a warning
+    where they are few."""
+    runs = verdict.chosen.runs
+    n, tokens = len(runs), sum(r.new_tokens for r in runs)
+    text = f"{n} held-out prompt(s), {tokens} tokens"
+    if verdict.in_sample:
+        return f"{n} prompt the tuner saw (nothing held out): an in-sample figure"
+    if n < FEW_PROMPTS:
+        text += (f"; fewer than {FEW_PROMPTS} prompts: the interval is wide and the figure is a sample of "
+                 "this task, not its mean (--limit 15 holds out 5)")
+    return text
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the held-out judgement stores, why, and what every candidate did."""
@@ -130,9 +167,18 @@ class Verdict:
     def speedup(self) -> float:
         return aggregate_speedup(self.chosen, self.plain)
 
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The stored strategy's speed-up interval (``interval``); plain decoding's is exactly 1."""
+        if not self.chosen.strategy.speculates:
+            return (1.0, 1.0)
+        return interval(self.chosen, self.plain)
+
     def as_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen.label, "reason": self.reason, "in_sample": self.in_sample,
                 "prompts": len(self.plain.runs), "speedup": self.speedup,
+                "interval": list(self.interval) if self.interval else None, "level": INTERVAL,
+                "rests_on": rests_on(self),
                 "candidates": [c.as_dict(self.plain) for c in self.candidates]}
 
 

@@ -204,10 +204,16 @@ class Race:
             survivors.append(racer)
         return survivors
 
-    def measure_best(self, decoder: Decoder, survivors: list[Racer]) -> bool:
-        """Start a measured trial for the best racer that won ``race_windows`` fresh windows
-        (it decodes as the challenger). -> whether one started."""
-        ready = [r for r in survivors if r.wins >= self.race_windows]
+    def measure_best(self, decoder: Decoder, survivors: Iterable[Racer], incumbent: float | None = None,
+                     rush: float | None = None) -> bool:
+        """Start a measured trial for the best racer that won ``race_windows`` fresh windows, or
+        at once for one scored ``rush`` (a share) above the ``incumbent``'s score on the same
+        window: a candidate priced that far ahead is measured now, not a window later (the
+        measurement still decides). It decodes as the challenger. -> whether one started."""
+        def rushing(r: Racer) -> bool:
+            return rush is not None and incumbent is not None and r.score > incumbent * (1.0 + rush)
+
+        ready = [r for r in survivors if r.wins >= self.race_windows or rushing(r)]
         if not ready:
             return False
         racer = max(ready, key=lambda r: r.score)

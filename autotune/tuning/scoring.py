@@ -86,9 +86,10 @@ def _score_model(win: Window, decoder: Decoder, strategy: Strategy, tokens: list
     match = win.cache.get(key)
     if match is None and win.is_stale(tokens):  # an earlier prompt's: the cache holds another sequence
         return None
-    if match is None and win.afford is not None:  # its catch-up waits until the allowance covers it
-        lag = len(tokens) - 1 - drafter.cache.length
-        if lag > 0 and not win.afford(win.cost.catch_up_s(lag)):
+    if match is None and win.afford is not None:  # its forward waits until the allowance covers it
+        # the catch-up over the rows it has not seen (the window's included), and a plan's own pass
+        rows = max(len(tokens) - 1 - drafter.cache.length, 0) + (0 if identity else min(window, len(tokens) - 1))
+        if rows > 0 and not win.afford(win.cost.catch_up_s(rows)):
             return None
     if match is None:
         if identity:  # on standby: its catch-up forward scores the window too

@@ -214,6 +214,7 @@ def run_study(
     held = [prompts[i] for i in held_idx] or tuned[:1]  # one prompt: judged in-sample, and said so
     setup = _build(pool, target, draft_name, task, tuned, cfg, storage, space_name, settings, skip_ratio)
     stats, base, tuning_share = _tune(setup, pool, target, tuned, cfg, progress, baseline)
+    storage.keep_costs(setup.key, cost_shape(setup.tuner.cost), setup.tuner.cost.timings())  # refreshed by the decode
     verdict = _judge(pool, target, setup, held, cfg, in_sample=not held_idx)
     report = _record(setup, storage, verdict, stats, base, tuning_share, prompt_texts, len(tuned))
     report.extra["precision"] = _precision_advice(pool, target, setup, report, prompts, cfg)
@@ -250,6 +251,7 @@ class _Setup:
     name: str
     study: optuna.Study
     tuner: OnlineTuner
+    costs_kept: bool = False  # the cost model's timings came from the store (none were timed)
 
 
 def _build(
@@ -278,8 +280,31 @@ def _build(
     cost = MeasuredCostModel(draft=drafting.model if drafting is not None else decoder.target, target=decoder.target,
                              verify_width=width, context=mean_len + cfg.max_new_tokens // 2, repeats=1, warm=False,
                              padded=decoder.pads)
+    kept = _keep_costs(storage, key, cost, fit_skips="layer-skip" in space.kinds(ctx))
     tuner = OnlineTuner(space, ctx, study, cost, settings, initial)
-    return _Setup(space, ctx, uniform, width, uses_draft, decoder, key, name, study, tuner)
+    tuner.state.calibration_s = cost.calibration_s  # timed before decoding (nothing when kept)
+    return _Setup(space, ctx, uniform, width, uses_draft, decoder, key, name, study, tuner, kept)
+
+
+def cost_shape(cost: MeasuredCostModel) -> str:
+    """What kept cost-model timings were timed for besides the store key (model with its precision,
+    draft, hardware): the verify width, whether verifies pad, the two models' linear backends."""
+    return (f"width {cost.verify_width} {'padded' if cost.padded else 'rows'} "
+            f"draft {cost.draft.backend} target {cost.target.backend}")
+
+
+def _keep_costs(storage: Any, key: StrategyKey, cost: MeasuredCostModel, fit_skips: bool) -> bool:
+    """The cost model's timings from the store, else timed now, before decoding (the plain step,
+    the verifies, the draft step and its catch-up; the per-sub-layer fit where the space skips
+    layers): a one-time cost of the models on this machine, kept for the next study, never held
+    against the tuning allowance. -> whether they came from the store."""
+    import torch
+
+    if cost.restore(storage.costs(key, cost_shape(cost)) or {}):
+        return True
+    with torch.inference_mode():
+        cost.prepare(fit_skips=fit_skips)
+    return False
 
 
 def _tune(
@@ -302,7 +327,7 @@ def _tune(
             start = time.perf_counter()
             tuner.start_prompt(len(ids))
             result = decoder.generate(ids, cfg, before_round=tuner.before_round)
-            tuner.end_prompt(ids + result.tokens, result.stats)
+            tuner.end_prompt(ids + result.tokens, result.stats, flush=False)
             tune_wall += time.perf_counter() - start
             if plain_decoder is not None and not plain_first:
                 plain_run = plain_decoder.generate(ids, cfg)
@@ -312,7 +337,10 @@ def _tune(
                 base.identical &= plain_run.tokens == result.tokens
             bar.update(1)
             bar.set_postfix_str(f"trials {tuner.state.trials} incumbent {tuner.state.best_score:.2f} tok/s")
-    tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # cost-model timing included
+    started = time.perf_counter()
+    tuner.flush()  # the trials to the RDB study, once (between prompts it was a third of the allowance)
+    tuner.state.flush_s = time.perf_counter() - started
+    tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # per window: one-time costs apart
     return stats, base, tuning_share
 
 
@@ -324,6 +352,9 @@ def _record(
     report`` draws on the study. -> the study's report."""
     tuner, study, name = setup.tuner, setup.study, setup.name
     summary = tuner.summary()
+    summary["costs"] = "kept" if setup.costs_kept else "timed"  # the cost model's timings: from the store, or timed now
+    summary["bayes_trials"] = sum(1 for t in tuner.study.get_trials(deepcopy=False)
+                                  if t.user_attrs.get("sampler") == "bayes" and t.state.is_finished())
     chosen = verdict.chosen
     if base is not None and not base.identical:  # an output differed while tuning: nothing speculative
         chosen = verdict.plain
@@ -376,7 +407,8 @@ def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> lis
     (a near-copy of the incumbent would say little about the task that the incumbent does not);
     where the space has no other kind, its best other strategy. Prompt lookup, where the space
     has it, is always one (its length priced over every tuned output, ``best_lookup``: a tuner
-    that spent its allowance before asking for it still judges it). Where the incumbent is plain
+    that spent its allowance before asking for it still judges it), and so is the drafting
+    model's first seed where none of its trials could be afforded. Where the incumbent is plain
     decoding, one per speculating kind: the held-out prompts decide between kinds that the tuner's
     windows did not (``auto``: at most the draft model's and prompt lookup's). -> (strategy, its
     corrected score) per kind, best first."""
@@ -401,6 +433,11 @@ def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> lis
         lookup = (Strategy(drafter="prompt-lookup", draft_length=ctx.max_draft_length), 0.0)  # never asked
     if lookup is not None:  # its whole grid priced over every tuned output: token work, no forward
         by_kind["prompt-lookup"] = best_lookup(tuner, space, ctx, lookup)
+    for kind in ("draft-model", "layer-skip"):  # a drafting model the allowance never afforded to score
+        if kind in space.kinds(ctx) and kind not in by_kind and best.drafter != kind:
+            seed = next((s for s in space.seeds(ctx) if s.drafter == kind), None)
+            if seed is not None:
+                by_kind[kind] = (seed, 0.0)
     found = list(by_kind.values())
     return found or ([same_kind] if same_kind else [])
 

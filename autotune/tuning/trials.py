@@ -4,7 +4,7 @@ Trials go to an in-memory working study (Optuna's RDB writes would cost more tha
 are copied to the persistent one at the end of each prompt (``Trials.flush``); a resumed study's
 trials are copied in first, so the samplers learn from them too. ``ask`` gives first the enqueued
 strategies (a resumed study's best, the space's seeds, the incumbent's neighbours), otherwise a
-random candidate or, every ``beta``-th trial, the Bayesian sampler's (GPSampler, or TPE for
+random candidate or, every ``beta``-th sampled trial, the Bayesian sampler's (GPSampler, or TPE for
 conditional spaces). Swept points are recorded as finished trials (sampler ``sweep``), so the
 Bayesian sampler learns from them as well.
 """
@@ -32,8 +32,10 @@ class Trials:
     """The working study, its samplers and what was enqueued in it; ``persistent``: where the
     trials are kept."""
 
-    def __init__(self, persistent: optuna.Study, space: SearchSpace, ctx: SpaceContext, seed: int) -> None:
-        self.persistent, self.space, self.ctx = persistent, space, ctx
+    def __init__(self, persistent: optuna.Study, space: SearchSpace, ctx: SpaceContext, seed: int,
+                 beta: int) -> None:
+        self.persistent, self.space, self.ctx, self.beta = persistent, space, ctx, beta
+        self._sampled = 0  # trials sampled (not enqueued) so far
         # numbers of the working study's trials already in the persistent one (or copied from it)
         self._flushed: set[int] = set()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -55,19 +57,33 @@ class Trials:
             self.study.enqueue_trial(self.space.encode(strategy, self.ctx))
             self._waiting += 1
 
-    def ask(self, use_bayes: bool) -> tuple[optuna.trial.Trial, str]:
-        """-> a new trial and the sampler it came from: ``enqueued``, else ``bayes`` when
-        ``use_bayes``, else ``random``."""
+    def ask(self) -> tuple[optuna.trial.Trial, str]:
+        """-> a new trial and the sampler it came from: ``enqueued`` while strategies wait, else
+        every ``beta``-th sampled trial ``bayes``, the others ``random``. Enqueued trials do not
+        count towards ``beta``: a study whose windows enqueue many neighbours still gives the
+        Bayesian sampler its share of the trials it samples."""
+        if self._waiting > 0:  # Optuna pops the oldest enqueued trial first
+            self.study.sampler = self.random
+            trial = self.study.ask()
+            self._waiting -= 1
+            return trial, "enqueued"
+        self._sampled += 1
+        use_bayes = self._sampled % self.beta == 0
         self.study.sampler = self.bayes if use_bayes else self.random
         with torch.enable_grad():  # GP fitting needs autograd
             trial = self.study.ask()
-        if self._waiting > 0:  # it popped the oldest enqueued trial
-            self._waiting -= 1
-            return trial, "enqueued"
         return trial, "bayes" if use_bayes else "random"
 
     def fail(self, trial: optuna.trial.Trial) -> None:
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def prune(self, trial: optuna.trial.Trial) -> None:
+        """Close a trial its drafter could not score now (a drafting model's forward the allowance
+        does not cover): pruned, with no value. TPE ranks such trials below every scored one, so
+        it stops proposing what cannot be scored within the budget; the random sampler does not
+        care."""
+        trial.set_user_attr("unscored", True)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
 
     def tell(self, trial: optuna.trial.Trial, sampler: str, strategy: Strategy, score: float, raw: float,
              rate: float) -> None:

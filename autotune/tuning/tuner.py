@@ -7,13 +7,14 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    space's seeds (one reference point per drafter kind), then the incumbent's neighbours
    (``SearchSpace.neighbours``: length +-2, threshold +-0.1, enqueued at each window; they reuse
    the window's matchness, so they cost almost nothing), otherwise random search, and every
-   ``beta``-th trial a Bayesian sampler - predicts the candidate's tokens/s on the latest window
+   ``beta``-th sampled trial a Bayesian sampler - predicts the candidate's tokens/s on the latest window
    scored (``autotune.tuning.scoring``) times the strategy's correction (below), and tells the
    study. A candidate predicted ``switch_margin`` faster than the incumbent *on the same window*
    joins the race.
 2. **Races** (``_new_window``; ``autotune.tuning.race``): each ``window`` fresh tokens, the
    incumbent and the racers are re-scored and the free families' grids swept (arithmetic on the
-   window's cached matches). A racer that kept winning on ``race_windows`` further windows decodes
+   window's cached matches). A racer that kept winning on ``race_windows`` further windows (or
+   at once, one priced ``rush_margin`` above the incumbent) decodes
    ``confirm_tokens`` tokens (a measured trial) and replaces the incumbent only if it measured
    faster than the incumbent on the same tokens and lately, so one lucky window never switches; a
    kept strategy stays on probation (reverted if it measures ``switch_margin`` slower than the
@@ -24,7 +25,8 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    every kept strategy.
 4. **Spends little** (``autotune.tuning.budget``): tuning time is an allowance accruing at
    ``max_share`` of decode time, divided by 1 + the windows in a row the incumbent has led, and
-   tuning spends it, the cost model's one-time timing included; after ``stop_windows`` such
+   tuning spends it; the cost model's timing is a one-time cost of the models on this machine
+   (kept in the store, ``calibration_s``), reported apart and not spent from it; after ``stop_windows`` such
    windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops. Trials go to
    an in-memory study, copied to the persistent one at the end of each prompt (``flush``).
 
@@ -62,7 +64,9 @@ __all__ = ["SCORERS", "Kept", "OnlineTuner", "Racer", "TunerSettings", "TunerSta
 @dataclass(frozen=True)
 class TunerSettings:
     window: int = 32  # gamma: generated tokens scored per candidate (SWIFT B.2)
-    beta: int = 10  # every beta-th trial is proposed by the Bayesian sampler
+    # every beta-th sampled trial is proposed by the Bayesian sampler (SWIFT: every 25th of its 1000
+    # trials; a study here runs tens of trials, so the sampler proposes every second sampled one)
+    beta: int = 2
     max_trials: int = 1000  # S
     patience: int = 300  # stop after this many trials without a new racer
     # stop once the incumbent's matchness reaches this (SWIFT's score threshold); None = never:
@@ -72,23 +76,27 @@ class TunerSettings:
     # a candidate joins the race when predicted this much faster than the incumbent on the same window
     switch_margin: float = 0.05
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
-    trials_per_window: int = 8  # trials on a window before a fresh one is scored (unless racers wait)
-    race_windows: int = 1  # further windows a racer must win before its measured trial
+    race_windows: int = 1  # further windows a racer must win before its measured trial ...
+    # ... unless scored this much (a share) above the incumbent on the window: then it is measured at
+    # once, so the stream runs on a strategy that pays from its first windows (None: never)
+    rush_margin: float | None = 0.25
     confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
     # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
     # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
-    min_trials: int = 24  # ... and at least this many trials ran
+    min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
     seed: int = 0
-    # a drafting model on standby scores a window only once the allowance covers its catch-up over
-    # the text it has not seen (a whole prompt, for each new one); live re-tunes set it, a study pays
-    # the catch-up when it scores (measured: a GSM8K re-tune's first sweep caught the 0.5B draft up
-    # over 760 tokens, 2.6 s of tuning in a 14 s request, against a 5% share)
-    defer_catch_up: bool = False
+    # a drafting model scores a window only once the allowance covers its forward: the catch-up over
+    # the text it has not seen (a whole prompt, for each new one), or a plan's pass over the window
+    # (measured: a GSM8K re-tune's first sweep caught the 0.5B draft up over 760 tokens, 2.6 s of
+    # tuning in a 14 s request, against a 5% share; a HumanEval study's first window put the
+    # allowance so far below zero that no trial ran on its 6 later prompts). Free candidates
+    # (prompt lookup, matches cached on the window) are scored meanwhile
+    defer_catch_up: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "trials_per_window", "race_windows",
+        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "race_windows",
                      "confirm_tokens", "probation_tokens", "stop_windows", "min_trials"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,6 +106,9 @@ class TunerSettings:
         if isinstance(self.switch_margin, bool) or not isinstance(self.switch_margin, (int, float)) \
                 or not 0.0 <= self.switch_margin < 1.0:
             raise SpaceError(f"tuner setting switch_margin={self.switch_margin!r} must be in [0, 1)")
+        if self.rush_margin is not None and (isinstance(self.rush_margin, bool) or not isinstance(
+                self.rush_margin, (int, float)) or self.rush_margin < 0):
+            raise SpaceError(f"tuner setting rush_margin={self.rush_margin!r} must be a share >= 0, or None")
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
@@ -108,13 +119,15 @@ class TunerState:
     since_improvement: int = 0
     best_score: float = float("-inf")  # the incumbent's score (tokens/s) on the latest window
     best_match: float = 0.0  # and its matchness there
-    tuning_s: float = 0.0  # all tuning time, the cost model's timing included
-    calibration_s: float = 0.0  # of which timing the cost model (once per study)
+    tuning_s: float = 0.0  # tuning time per window: scoring, trials, races (the allowance's spending)
+    calibration_s: float = 0.0  # one-time: timing the cost model while tuning (apart from ``tuning_s``)
     skipped_for_budget: int = 0  # rounds that ran no trial because tuning was over its time share
     windows: int = 0  # windows scored
     stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
     swept: int = 0  # points scored by the sweeps of fresh windows (arithmetic on cached matches)
+    flush_s: float = 0.0  # a study's one copy of its trials to the persistent study, after its prompts
+    unscored: int = 0  # trials pruned: their drafter could not score the window (not within the allowance)
     done: bool = False
     stop_reason: str = ""
 
@@ -135,7 +148,7 @@ class OnlineTuner:
         study's best): it is enqueued and must win its race like any candidate; decoding starts
         plain."""
         self.space, self.ctx, self.cost, self.settings, self.clock = space, ctx, cost, settings, clock
-        self.trials = Trials(study, space, ctx, settings.seed)
+        self.trials = Trials(study, space, ctx, settings.seed, settings.beta)
         self.state = TunerState()
         self.racing = Race(settings.switch_margin, settings.race_windows, settings.probation_tokens)
         self.budget = Budget(settings.max_share, clock)
@@ -143,7 +156,6 @@ class OnlineTuner:
         if settings.defer_catch_up:
             self.window.afford = self.budget.covers
         self._trials_at_window = 0  # trials run before the latest window
-        self._asked_at_window = 0  # trials asked on the latest window (failed ones included)
         self._last: RoundMark | None = None
         self._prompt_start = 0
         self._applied = False
@@ -200,16 +212,18 @@ class OnlineTuner:
         self._last = None
         self.budget.resume()
 
-    def end_prompt(self, tokens: list[int], stats: DecodeStats) -> None:
+    def end_prompt(self, tokens: list[int], stats: DecodeStats, flush: bool = True) -> None:
         """Attribute the prompt's last round to the running strategy, refresh the incumbent's
         correction with it (what it is predicted to do is what it measured so far); persist the
-        new trials."""
+        new trials (``flush=False``: the caller flushes once, after its last prompt - a study,
+        whose RDB writes cost ~30 ms a trial on SQLite, a third of its allowance when per prompt)."""
         self._account(tokens, stats)
         self._last = None
         self.decoded.append((self._prompt_start, list(tokens)))
         self.racing.correct(self.incumbent)
         t0 = self.clock()
-        self.flush()
+        if flush:
+            self.flush()
         now = self.clock()
         self.budget.pause(now)
         self._spend(now - t0)
@@ -218,20 +232,29 @@ class OnlineTuner:
         self._account(tokens, stats)
         self._probation(decoder)
         t0 = self.clock()
-        self.budget.accrue(t0, self.state.stable)
+        # re-scoring less once the incumbent leads, after the tuner has explored ``min_trials``
+        stable = self.state.stable if self.state.trials >= self.settings.min_trials else 0
+        self.budget.accrue(t0, stable)
         if not self._applied:  # plain decoding until a candidate beats it on measured time
             decoder.apply(self.incumbent.strategy)
             self._applied = True
+        timed = self._calibrated()
         try:
             self._tune(decoder, tokens, t0)
         finally:
             spent = self.clock() - t0
-            # timing the cost model is part of the share like trials are: held against the
-            # allowance (later trials wait for it), reported apart
-            self.state.calibration_s = getattr(self.cost, "calibration_s", 0.0)
-            self._spend(spent)
+            # timing the cost model (a plan first priced, what the store did not keep) is a
+            # one-time cost of the model pair on this machine, not of the window: reported apart,
+            # not held against the allowance, so it never starves the trials after it
+            once = min(max(self._calibrated() - timed, 0.0), spent)
+            self.state.calibration_s += once
+            self._spend(spent - once)
             if self._last is not None:  # tuning time is not decode time of the running strategy
                 self._last = replace(self._last, clock=self._last.clock + spent)
+
+    def _calibrated(self) -> float:
+        """Seconds the cost model has spent timing forwards so far."""
+        return float(getattr(self.cost, "calibration_s", 0.0))
 
     def _tune(self, decoder: Decoder, tokens: list[int], t0: float) -> None:
         """Before a round (tuning began at ``t0``): end a measured trial that decoded enough, then,
@@ -257,6 +280,11 @@ class OnlineTuner:
             if self.state.done or self.challenger is not None or not self._trial(decoder, self.window.tokens) \
                     or not self.budget.covers(self.clock() - t0):
                 break
+        # a trial priced far above the incumbent races now (its measured trial decides)
+        rush, bar = self.settings.rush_margin, self.state.best_score
+        rushers = [r for r in self.racing.race.values() if rush is not None and r.score > bar * (1.0 + rush)]
+        if self.challenger is None and rushers and self.racing.measure_best(decoder, rushers, bar, rush):
+            self.state.measured_trials += 1
 
     def _spend(self, seconds: float) -> None:
         """Tuning time: reported, and spent from the allowance."""
@@ -264,13 +292,10 @@ class OnlineTuner:
         self.budget.spend(seconds)
 
     def _wants_window(self, tokens: list[int]) -> bool:
-        """A fresh window is scored (one forward per plan) when ``window`` new tokens are there
-        and it decides something: racers to re-score, no window yet, or ``trials_per_window``
-        trials asked on the latest one (failed ones too: a plan not scored on an earlier prompt's
-        window fails there). Otherwise the allowance goes to trials on the cached window."""
-        if len(tokens) - self.window.at < self.settings.window:
-            return False
-        return bool(self.racing.race) or not self.window.tokens or self._asked_at_window >= self.settings.trials_per_window
+        """A fresh window is scored whenever ``window`` new tokens are there: the incumbent, the
+        racers and the free families are re-scored on it (token arithmetic, and a drafting model's
+        forward only where the allowance covers it, ``defer_catch_up``), so windows are cheap."""
+        return len(tokens) - self.window.at >= self.settings.window
 
     def _account(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the round just decoded to the running strategy (``Race.account``) and refresh
@@ -337,10 +362,10 @@ class OnlineTuner:
         self.window.mark(tokens)
         state.windows += 1
         survivors = self.racing.rescore(decoder, tokens, incumbent, self.score)
-        if self.racing.measure_best(decoder, survivors):
-            state.measured_trials += 1
         if not state.done:  # a stopped tuner only finishes its race
             survivors += self._sweep(decoder, tokens, incumbent)
+        if self.racing.measure_best(decoder, survivors, incumbent, self.settings.rush_margin):
+            state.measured_trials += 1
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
             self.trials.enqueue(near)
         # the incumbent led on this window if candidates were tried since the last one and none
@@ -351,7 +376,6 @@ class OnlineTuner:
         elif tried > self._trials_at_window:
             state.stable += 1
         self._trials_at_window = tried
-        self._asked_at_window = 0
         if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
             state.done = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
@@ -401,17 +425,17 @@ class OnlineTuner:
         incumbent = self._incumbent_score(decoder, tokens)
         if incumbent is None:
             return False
-        trial, sampler = self.trials.ask(use_bayes=(state.trials + 1) % self.settings.beta == 0)
-        self._asked_at_window += 1
+        trial, sampler = self.trials.ask()
         try:
             strategy = self.space.define(trial, self.ctx)
             got = self.score(decoder, strategy, tokens)
         except BaseException:  # Ctrl-C included: the trial is closed as failed, not left running
             self.trials.fail(trial)
             raise
-        if got is None:  # its drafter cannot score this window (yet)
-            self.trials.fail(trial)
-            return False
+        if got is None:  # its drafter cannot score this window (yet, or not within the allowance)
+            self.trials.prune(trial)
+            state.unscored += 1
+            return True  # the next trial may be one that scores for free
         score, raw, rate = got
         self.trials.tell(trial, sampler, strategy, score, raw, rate)
         state.trials += 1
@@ -476,5 +500,7 @@ class OnlineTuner:
             "windows": self.state.windows,
             "measured_trials": self.state.measured_trials,
             "swept": self.state.swept,
+            "unscored": self.state.unscored,
+            "flush_s": self.state.flush_s,
             **self.racing.summary(),  # rejected, switches, reverted, kept
         }

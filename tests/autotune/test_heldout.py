@@ -213,3 +213,29 @@ def test_the_lookup_runner_up_is_priced_over_every_tuned_output():
         assert picks[name][1] == max(tuner.task_tps(s) or 0 for s in space.sweep(seed, ctx))
     assert picks["flat"][0].draft_length >= 10  # copies of up to 12 tokens are free to verify
     assert picks["per row"][0].draft_length < picks["flat"][0].draft_length
+
+
+def test_the_stated_interval_holds_the_speedup_and_widens_with_spread_and_few_prompts():
+    """The stored speed-up's interval is centred on it, holds it, is wider where the prompts
+    disagree and where they are few (Student's t), and says what it rests on. Power check: a
+    steady candidate's interval is narrow enough to exclude 1."""
+    from autotune.tuning.heldout import interval, rests_on
+
+    steady = {(s, i): v for i in range(6) for s, v in ((PLAIN, 10.0), (LOOKUP, 13.0), (CHAIN, 12.0))}
+    verdict = judged(list(range(6)), steady)
+    lo, hi = verdict.interval
+    assert lo < verdict.speedup < hi and lo > 1.0  # 1.3x on every prompt: 1 is outside
+    swinging = dict(steady)
+    for i, f in enumerate([2.2, 0.8, 2.0, 0.7, 1.9, 0.9]):
+        swinging[LOOKUP, i] = 10.0 * f
+    wide = judged(list(range(6)), swinging)
+    lk = wide.candidates[1]
+    lo2, hi2 = interval(lk, wide.plain)
+    assert lo2 < 1.0 < hi2 and hi2 / lo2 > hi / lo
+    few = judged([0, 1, 2], swinging)
+    lo3, hi3 = interval(few.candidates[1], few.plain)
+    assert hi3 / lo3 > hi2 / lo2  # three prompts: a wider interval than six
+    assert "fewer than" in rests_on(few) and "fewer than" not in rests_on(verdict)
+    assert interval(judged([0], steady).candidates[1], judged([0], steady).plain) is None
+    d = verdict.as_dict()
+    assert d["interval"] == [lo, hi] and "6 held-out prompt(s)" in d["rests_on"]

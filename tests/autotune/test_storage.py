@@ -518,3 +518,19 @@ def test_a_best_stored_only_at_another_precision_is_named_with_the_command_that_
     other_task = StrategyKey(gguf.model_id, KEY.model_revision, "", "humaneval", KEY.hardware)
     with pytest.raises(StorageError, match="no tuned strategy stored for model .*#gguf task humaneval on this hardware; run"):
         resolve_strategy("best", store, other_task, PLAIN)
+
+
+def test_cost_timings_are_kept_per_model_draft_hardware_and_shape(store: Storage):
+    """The tuner's cost-model timings: kept for a key's model, draft and hardware (any task) and
+    shape, replaced by the next keep, apart for another shape or draft."""
+    store.keep_costs(KEY, "width 13 rows", {"plain": 0.08, "verify": 0.5})
+    assert store.costs(KEY, "width 13 rows") == {"plain": 0.08, "verify": 0.5}
+    other_task = StrategyKey(KEY.model_id, KEY.model_revision, KEY.draft_id, "humaneval", KEY.hardware)
+    assert store.costs(other_task, "width 13 rows") == {"plain": 0.08, "verify": 0.5}  # not per task
+    assert store.costs(KEY, "width 9 rows") is None
+    other_draft = StrategyKey(KEY.model_id, KEY.model_revision, "another-draft", KEY.task, KEY.hardware)
+    assert store.costs(other_draft, "width 13 rows") is None
+    store.keep_costs(KEY, "width 13 rows", {"plain": 0.07})
+    assert store.costs(KEY, "width 13 rows") == {"plain": 0.07}
+    with pytest.raises(StorageError, match="cost shape"):
+        store.keep_costs(KEY, "x" * 500, {})

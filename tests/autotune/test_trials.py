@@ -22,7 +22,7 @@ def _fixed(trials: Trials, number: int) -> bool:
 
 def test_enqueued_trials_are_labelled_as_optuna_popped_them() -> None:
     space = get_space("auto")
-    trials = Trials(optuna.create_study(direction="maximize"), space, CTX, seed=0)
+    trials = Trials(optuna.create_study(direction="maximize"), space, CTX, seed=0, beta=2)
     seeds = [s for s in space.seeds(CTX) if s.speculates]
     assert len(seeds) >= 2
     for s in [*seeds, seeds[0], PLAIN]:  # a repeat and plain decoding are not enqueued
@@ -31,24 +31,25 @@ def test_enqueued_trials_are_labelled_as_optuna_popped_them() -> None:
     for i in range(len(seeds) + 3):
         if i == 1:  # a swept point is added finished: it never waits to be asked
             trials.tell_swept(seeds[-1], 1.0, 1.0, 0.5)
-        trial, sampler = trials.ask(use_bayes=i % 2 == 1)
+        trial, sampler = trials.ask()
         labels.append(sampler)
         assert (sampler == "enqueued") == _fixed(trials, trial.number)
         if sampler == "enqueued":
             assert space.define(trial, CTX) in seeds
         trials.tell(trial, sampler, space.define(trial, CTX), 1.0, 1.0, 0.5)
     assert labels[: len(seeds)] == ["enqueued"] * len(seeds)
-    assert labels[len(seeds):] == ["random" if i % 2 == 0 else "bayes" for i in range(len(seeds), len(seeds) + 3)]
+    # every second sampled trial is Bayesian: the enqueued ones do not count towards beta
+    assert labels[len(seeds):] == ["random", "bayes", "random"]
 
 
 def test_a_resumed_study_does_not_count_as_enqueued() -> None:
     """Trials copied in from a resumed study are finished: the first ask is the sampler's."""
     space = get_space("auto")
-    first = Trials(optuna.create_study(direction="maximize"), space, CTX, seed=0)
-    trial, sampler = first.ask(use_bayes=False)
+    first = Trials(optuna.create_study(direction="maximize"), space, CTX, seed=0, beta=2)
+    trial, sampler = first.ask()
     first.tell(trial, sampler, space.define(trial, CTX), 2.0, 2.0, 0.5)
-    resumed = Trials(first.study, space, CTX, seed=1)
-    trial, sampler = resumed.ask(use_bayes=False)
+    resumed = Trials(first.study, space, CTX, seed=1, beta=2)
+    trial, sampler = resumed.ask()
     assert sampler == "random" and not _fixed(resumed, trial.number)
 
 
@@ -58,9 +59,9 @@ def test_flush_copies_finished_trials_behind_a_waiting_one() -> None:
     study whose prompt ended with a neighbour still queued kept only the trials before it)."""
     space = get_space("auto")
     persistent = optuna.create_study(direction="maximize")
-    trials = Trials(persistent, space, CTX, seed=0)
+    trials = Trials(persistent, space, CTX, seed=0, beta=2)
     seeds = [s for s in space.seeds(CTX) if s.speculates]
-    trial, sampler = trials.ask(use_bayes=False)
+    trial, sampler = trials.ask()
     trials.tell(trial, sampler, space.define(trial, CTX), 1.0, 1.0, 0.5)
     trials.enqueue(seeds[0])  # waits: nothing asks it before the flush
     for s in seeds[1:3]:
@@ -69,7 +70,7 @@ def test_flush_copies_finished_trials_behind_a_waiting_one() -> None:
     assert len(persistent.trials) == 3 and all(t.state.is_finished() for t in persistent.trials)
     trials.flush()  # nothing new: nothing copied twice
     assert len(persistent.trials) == 3
-    trial, sampler = trials.ask(use_bayes=False)
+    trial, sampler = trials.ask()
     assert sampler == "enqueued"
     trials.tell(trial, sampler, space.define(trial, CTX), 3.0, 3.0, 0.5)
     trials.flush()
