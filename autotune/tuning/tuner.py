@@ -27,7 +27,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    ``max_share`` of decode time, divided by 1 + the windows in a row the incumbent has led, and
    tuning spends it; the cost model's timing is a one-time cost of the models on this machine
    (kept in the store, ``calibration_s``), reported apart and not spent from it; after ``stop_windows`` such
-   windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops. Trials go to
+   windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops trials, and
+   watches: fresh windows are still scored (cheaply), and a candidate beating the incumbent there
+   resumes tuning. Trials go to
    an in-memory study, copied to the persistent one at the end of each prompt (``flush``).
 
 The decoder switches strategies through ``Decoder.apply``: every drafter kind of the space is on
@@ -130,6 +132,11 @@ class TunerState:
     unscored: int = 0  # trials pruned: their drafter could not score the window (not within the allowance)
     done: bool = False
     stop_reason: str = ""
+    # stopped because the incumbent kept leading: later windows are still scored (the incumbent and
+    # the free families: token arithmetic, a drafting model's forward only within the allowance),
+    # and a candidate that beats the incumbent there resumes tuning (the text moved)
+    watching: bool = False
+    resumed: int = 0  # times a watching tuner resumed
 
 
 class OnlineTuner:
@@ -264,7 +271,7 @@ class OnlineTuner:
             self._decide(decoder, tokens)
         if self.challenger is not None or len(tokens) - self._prompt_start < self.settings.window:
             return
-        if self.state.done and not self.racing.race:  # stopped, and no racer left to decide
+        if self.state.done and not self.racing.race and not self.state.watching:  # stopped, no racer left
             return
         if not self.budget.covers(0.0):
             self.state.skipped_for_budget += 1
@@ -362,8 +369,11 @@ class OnlineTuner:
         self.window.mark(tokens)
         state.windows += 1
         survivors = self.racing.rescore(decoder, tokens, incumbent, self.score)
-        if not state.done:  # a stopped tuner only finishes its race
+        if not state.done or state.watching:  # a stopped tuner only finishes its race; a watching one sweeps
             survivors += self._sweep(decoder, tokens, incumbent)
+        if state.watching and survivors:  # the text moved: a candidate beats the incumbent again
+            state.done, state.watching, state.stop_reason, state.stable = False, False, "", 0
+            state.resumed += 1
         if self.racing.measure_best(decoder, survivors, incumbent, self.settings.rush_margin):
             state.measured_trials += 1
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
@@ -376,8 +386,8 @@ class OnlineTuner:
         elif tried > self._trials_at_window:
             state.stable += 1
         self._trials_at_window = tried
-        if state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
-            state.done = True
+        if not state.done and state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
+            state.done = state.watching = True
             state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
         self._maybe_stop()
 
@@ -501,6 +511,7 @@ class OnlineTuner:
             "measured_trials": self.state.measured_trials,
             "swept": self.state.swept,
             "unscored": self.state.unscored,
+            "resumed": self.state.resumed,
             "flush_s": self.state.flush_s,
             **self.racing.summary(),  # rejected, switches, reverted, kept
         }

@@ -377,10 +377,25 @@ def test_a_candidate_must_keep_winning_on_fresh_windows(target):
 
 
 def test_a_stable_incumbent_stops_tuning(target):
-    """Once the incumbent led on stop_windows windows in a row (and min_trials ran), tuning stops."""
+    """Once the incumbent led on stop_windows windows in a row (and min_trials ran), trials stop;
+    the tuner watches: later windows are still scored (no trial runs), and a candidate beating
+    the incumbent on one resumes tuning. Power check: with every candidate beating it, the
+    watching tuner resumes."""
     _, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, stop_windows=2, min_trials=2, max_trials=1000,
-                                patience=1000, cost=FixedCostModel(draft_full_s=1.0, verify_const_s=1.0))
-    assert tuner.state.done and "led on 2 windows" in tuner.state.stop_reason
+                                patience=1000, n_new=128, cost=FixedCostModel(draft_full_s=1.0, verify_const_s=1.0))
+    assert tuner.state.done and tuner.state.watching and "led on 2 windows" in tuner.state.stop_reason
+    watcher = OnlineTuner(get_space("lookup"), SpaceContext(n_layers=N_LAYERS, max_draft_length=4),
+                          optuna.create_study(direction="maximize"), FixedCostModel(draft_full_s=0.0, verify_const_s=1.0),
+                          TunerSettings(window=8), clock=SimClock())
+    watcher.state.done = watcher.state.watching = True
+    decoder = Decoder(target, PromptLookupDrafter(max_ngram=3), 4, verify_width=5, kind="prompt-lookup")
+    fresh = list(range(1, 39))  # nothing recurs: plain decoding keeps leading
+    watcher._new_window(decoder, fresh)
+    assert watcher.state.windows == 1 and watcher.state.trials == 0 and watcher.state.done
+    repeating = fresh + fresh[:24]  # the text moved: prompt lookup copies it now
+    watcher._new_window(decoder, repeating)
+    assert not watcher.state.done and watcher.state.resumed == 1
+    assert watcher.racing.race or watcher.challenger is not None  # racing (or measured at once)
 
 
 def joint_decoder(target, draft, width=7):
