@@ -30,7 +30,8 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops trials, and
    watches: fresh windows are still scored (cheaply), and a candidate beating the incumbent there
    resumes tuning. Trials go to
-   an in-memory study, copied to the persistent one at the end of each prompt (``flush``).
+   an in-memory study, copied to the persistent one at the end of each prompt (``flush``; a study
+   copies them once, after its last prompt).
 
 The decoder switches strategies through ``Decoder.apply``: every drafter kind of the space is on
 the decoder (drafting or on standby, following the sequence), so a switch keeps all state.
