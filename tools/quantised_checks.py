@@ -306,7 +306,7 @@ def rounds(args: argparse.Namespace) -> None:
 
 def lookup_rounds(args: argparse.Namespace) -> None:
     """Prompt lookup (``--length``) as it decodes, against what the study prices on the same text
-    (``study.price_text``: one window over the tokens decoded, the study's cost model timed here
+    (``candidates.price_text``: one window over the tokens decoded, the study's cost model timed here
     at the prompts' mean context; before the tuner's correction). The window replay starts
     rounds only where a full draft still fits (``objective._starts``), so the text's last
     ``--length`` tokens are not priced (the study's horizon is its space's longest draft, so its

@@ -5,7 +5,7 @@ A strategy that wins on the prompts the tuner saw can lose on the next ones (pro
 where a few completions copied their prompt), so a study keeps part of its prompts away from the
 tuner (``split_prompts``: every third, at least ``MIN_HELD`` where there are enough) and decodes
 them, after tuning, with plain decoding, the tuner's incumbent and the best-scored candidate of
-each other drafter kind (``autotune.tuning.study.runner_ups``), interleaved prompt by prompt
+each other drafter kind (``autotune.tuning.candidates.runner_ups``), interleaved prompt by prompt
 (``judge_on``).
 
 ``choose`` then stores the candidate with the highest **lower confidence bound** on its per-prompt

@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,19 +30,18 @@ from typing import Any
 import optuna
 from tqdm import tqdm
 
-from autotune.errors import CliError
+from autotune.errors import CliError, StorageError
 from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
 from autotune.tuning.cost_model import MeasuredCostModel
+from autotune.tuning.candidates import price_text, runner_ups
 from autotune.tuning.heldout import Candidate, Verdict, choose, judge_on, plain_candidate, split_prompts
-from autotune.tuning.scoring import Window
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import uniform_skip_plan
-from search_spaces.errors import SpaceError
 from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
 from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
 
@@ -214,7 +214,11 @@ def run_study(
     held = [prompts[i] for i in held_idx] or tuned[:1]  # one prompt: judged in-sample, and said so
     setup = _build(pool, target, draft_name, task, tuned, cfg, storage, space_name, settings, skip_ratio)
     stats, base, tuning_share = _tune(setup, pool, target, tuned, cfg, progress, baseline)
-    storage.keep_costs(setup.key, cost_shape(setup.tuner.cost), setup.tuner.cost.timings())  # refreshed by the decode
+    try:  # refreshed by the decode; a cache: a store that cannot take them loses nothing else
+        storage.keep_costs(setup.key, cost_shape(setup.tuner.cost), setup.tuner.cost.timings())
+    except StorageError as exc:
+        print(f"autotune study: the cost model's timings were not kept ({exc}); the next study times them again",
+              file=sys.stderr)
     verdict = _judge(pool, target, setup, held, cfg, in_sample=not held_idx)
     report = _record(setup, storage, verdict, stats, base, tuning_share, prompt_texts, len(tuned))
     report.extra["precision"] = _precision_advice(pool, target, setup, report, prompts, cfg)
@@ -400,73 +404,6 @@ def _resume(study: optuna.Study, space: SearchSpace, ctx: SpaceContext) -> Strat
         return None
     best = max(done, key=lambda t: t.value if t.value is not None else float("-inf"))
     return space.define(optuna.trial.FixedTrial(best.params), ctx)
-
-
-def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> list[tuple[Strategy, float]]:
-    """The tuner's best-scored speculating trial of each drafter kind other than its incumbent's
-    (a near-copy of the incumbent would say little about the task that the incumbent does not);
-    where the space has no other kind, its best other strategy. Prompt lookup, where the space
-    has it, is always one (its length priced over every tuned output, ``best_lookup``: a tuner
-    that spent its allowance before asking for it still judges it), and so is the drafting
-    model's first seed where none of its trials could be afforded. Where the incumbent is plain
-    decoding, one per speculating kind: the held-out prompts decide between kinds that the tuner's
-    windows did not (``auto``: at most the draft model's and prompt lookup's). -> (strategy, its
-    corrected score) per kind, best first."""
-    best = tuner.best
-    done = [t for t in tuner.trials.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-            if t.value is not None]
-    by_kind: dict[str, tuple[Strategy, float]] = {}
-    same_kind: tuple[Strategy, float] | None = None
-    for t in sorted(done, key=lambda t: -float(t.value)):
-        try:
-            s = space.define(optuna.trial.FixedTrial(t.params), ctx)
-        except (SpaceError, ValueError, KeyError):
-            continue
-        if not s.speculates or s == best:
-            continue
-        if s.drafter != best.drafter or not best.speculates:
-            by_kind.setdefault(s.drafter, (s, float(t.value)))
-        elif same_kind is None:
-            same_kind = (s, float(t.value))
-    lookup = by_kind.get("prompt-lookup")
-    if lookup is None and best.drafter != "prompt-lookup" and "prompt-lookup" in space.kinds(ctx):
-        lookup = (Strategy(drafter="prompt-lookup", draft_length=ctx.max_draft_length), 0.0)  # never asked
-    if lookup is not None:  # its whole grid priced over every tuned output: token work, no forward
-        by_kind["prompt-lookup"] = best_lookup(tuner, space, ctx, lookup)
-    for kind in ("draft-model", "layer-skip"):  # a drafting model the allowance never afforded to score
-        if kind in space.kinds(ctx) and kind not in by_kind and best.drafter != kind:
-            seed = next((s for s in space.seeds(ctx) if s.drafter == kind), None)
-            if seed is not None:
-                by_kind[kind] = (seed, 0.0)
-    found = list(by_kind.values())
-    return found or ([same_kind] if same_kind else [])
-
-
-def best_lookup(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext,
-                scored: tuple[Strategy, float]) -> tuple[Strategy, float]:
-    """The prompt-lookup length predicted fastest over everything decoded while tuning
-    (``OnlineTuner.task_tps`` at every point of its sweep grid: a replay of the text, no forward;
-    with verifies that run their own rows, a shorter copy can beat the longest). -> (strategy, its
-    prediction), or ``scored`` where nothing could be priced."""
-    priced = [(s, tuner.task_tps(s)) for s in space.sweep(scored[0], ctx)]
-    # equal predictions: the text never used the extra length; the longer copy is the one that can
-    best = max(((s, v) for s, v in priced if v), key=lambda sv: (sv[1], sv[0].draft_length), default=None)
-    return best if best is not None else scored
-
-
-def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens: list[int],
-               new: int) -> tuple[int, float] | None:
-    """The tuner's corrected prediction for ``strategy`` on the last ``new`` tokens of ``tokens``
-    (one window over them: prompt lookup replayed, a drafting model's matchness in one forward,
-    from ``decoder``, which just decoded them) -> (tokens, predicted seconds), or None where its
-    drafter cannot score there."""
-    if new < 4:
-        return None
-    got = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, strategy, tokens)
-    if got is None or got[0].tokens_per_s <= 0:
-        return None
-    tps = got[0].tokens_per_s * tuner.correction(strategy)
-    return new, new / tps
 
 
 def _judge(pool: ModelPool, target: LoadedModel, setup: _Setup, prompts: list[list[int]], cfg: GenerationConfig,

@@ -197,7 +197,7 @@ def test_the_lookup_runner_up_is_priced_over_every_tuned_output():
     runs its own rows)."""
     import optuna
 
-    from autotune.tuning.study import best_lookup
+    from autotune.tuning.candidates import best_lookup
     from autotune.tuning.tuner import OnlineTuner, TunerSettings
     from search_spaces.spaces import SpaceContext, get_space
 
