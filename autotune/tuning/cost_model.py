@@ -202,6 +202,13 @@ class MeasuredCostModel:
             self._width[rows] = self._forward_s(self.target, rows, None, every_logit=True)
         return self._width[rows]
 
+    @property
+    def shape(self) -> str:
+        """What kept timings were timed for besides the store key (model with its precision, draft,
+        hardware): the verify width, whether verifies pad, the two models' linear backends."""
+        return (f"width {self.verify_width} {'padded' if self.padded else 'rows'} "
+                f"draft {self.draft.backend} target {self.target.backend}")
+
     def timings(self) -> dict[str, Any]:
         """What was timed and learnt, to keep (``autotune.store``: per model, draft, precision and
         hardware) and ``restore`` in a later study, so it starts scoring at its first window. Plans

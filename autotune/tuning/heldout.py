@@ -112,10 +112,16 @@ def lower_bound(ups: Sequence[float], z: float = Z, floor: float = NOISE_FLOOR) 
     prompt did not run."""
     if not ups or any(u <= 0 for u in ups):
         return -math.inf
+    mean, se = _log_mean_se(ups, floor)
+    return mean - z * se
+
+
+def _log_mean_se(ups: Sequence[float], floor: float = NOISE_FLOOR) -> tuple[float, float]:
+    """Mean of the log speed-ups and its standard error (the spread never below ``floor``)."""
     logs = [math.log(u) for u in ups]
     mean = sum(logs) / len(logs)
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)) if len(logs) > 1 else 0.0
-    return mean - z * max(sd, floor) / math.sqrt(len(logs))
+    return mean, max(sd, floor) / math.sqrt(len(logs))
 
 
 def interval(candidate: Candidate, plain: Candidate, level: float = INTERVAL) -> tuple[float, float] | None:
@@ -128,10 +134,8 @@ def interval(candidate: Candidate, plain: Candidate, level: float = INTERVAL) ->
     ups = speedups(candidate, plain)
     if len(ups) < 2 or any(u <= 0 for u in ups):
         return None
-    logs = [math.log(u) for u in ups]
-    mean = sum(logs) / len(logs)
-    sd = max(math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)), NOISE_FLOOR)
-    half = float(student.ppf(0.5 + level / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
+    _, se = _log_mean_se(ups)
+    half = float(student.ppf(0.5 + level / 2, len(ups) - 1)) * se
     centre = aggregate_speedup(candidate, plain)
     return centre * math.exp(-half), centre * math.exp(half)
 

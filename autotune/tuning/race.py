@@ -210,10 +210,7 @@ class Race:
         at once for one scored ``rush`` (a share) above the ``incumbent``'s score on the same
         window: a candidate priced that far ahead is measured now, not a window later (the
         measurement still decides). It decodes as the challenger. -> whether one started."""
-        def rushing(r: Racer) -> bool:
-            return rush is not None and incumbent is not None and r.score > incumbent * (1.0 + rush)
-
-        ready = [r for r in survivors if r.wins >= self.race_windows or rushing(r)]
+        ready = [r for r in survivors if r.wins >= self.race_windows or self.rushes(r, incumbent, rush)]
         if not ready:
             return False
         racer = max(ready, key=lambda r: r.score)
@@ -222,6 +219,11 @@ class Race:
                                raws=list(racer.raws))
         decoder.apply(racer.strategy)
         return True
+
+    @staticmethod
+    def rushes(racer: Racer, incumbent: float | None, rush: float | None) -> bool:
+        """Whether ``racer`` scored ``rush`` (a share) above the ``incumbent``'s score: measured at once."""
+        return rush is not None and incumbent is not None and racer.score > incumbent * (1.0 + rush)
 
     def sweep(self, decoder: Decoder, tokens: list[int], incumbent: float, points: Iterable[Strategy],
               score: ScoreFn, tell: TellFn) -> tuple[list[Racer], int]:

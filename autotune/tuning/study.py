@@ -215,7 +215,7 @@ def run_study(
     setup = _build(pool, target, draft_name, task, tuned, cfg, storage, space_name, settings, skip_ratio)
     stats, base, tuning_share = _tune(setup, pool, target, tuned, cfg, progress, baseline)
     try:  # refreshed by the decode; a cache: a store that cannot take them loses nothing else
-        storage.keep_costs(setup.key, cost_shape(setup.tuner.cost), setup.tuner.cost.timings())
+        storage.keep_costs(setup.key, setup.tuner.cost.shape, setup.tuner.cost.timings())
     except StorageError as exc:
         print(f"autotune study: the cost model's timings were not kept ({exc}); the next study times them again",
               file=sys.stderr)
@@ -290,13 +290,6 @@ def _build(
     return _Setup(space, ctx, uniform, width, uses_draft, decoder, key, name, study, tuner, kept)
 
 
-def cost_shape(cost: MeasuredCostModel) -> str:
-    """What kept cost-model timings were timed for besides the store key (model with its precision,
-    draft, hardware): the verify width, whether verifies pad, the two models' linear backends."""
-    return (f"width {cost.verify_width} {'padded' if cost.padded else 'rows'} "
-            f"draft {cost.draft.backend} target {cost.target.backend}")
-
-
 def _keep_costs(storage: Any, key: StrategyKey, cost: MeasuredCostModel, fit_skips: bool) -> bool:
     """The cost model's timings from the store, else timed now, before decoding (the plain step,
     the verifies, the draft step and its catch-up; the per-sub-layer fit where the space skips
@@ -304,7 +297,7 @@ def _keep_costs(storage: Any, key: StrategyKey, cost: MeasuredCostModel, fit_ski
     against the tuning allowance. -> whether they came from the store."""
     import torch
 
-    if cost.restore(storage.costs(key, cost_shape(cost)) or {}):
+    if cost.restore(storage.costs(key, cost.shape) or {}):
         return True
     with torch.inference_mode():
         cost.prepare(fit_skips=fit_skips)

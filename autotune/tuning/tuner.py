@@ -290,7 +290,7 @@ class OnlineTuner:
                 break
         # a trial priced far above the incumbent races now (its measured trial decides)
         rush, bar = self.settings.rush_margin, self.state.best_score
-        rushers = [r for r in self.racing.race.values() if rush is not None and r.score > bar * (1.0 + rush)]
+        rushers = [r for r in self.racing.race.values() if self.racing.rushes(r, bar, rush)]
         if self.challenger is None and rushers and self.racing.measure_best(decoder, rushers, bar, rush):
             self.state.measured_trials += 1
 

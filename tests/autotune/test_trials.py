@@ -75,3 +75,27 @@ def test_flush_copies_finished_trials_behind_a_waiting_one() -> None:
     trials.tell(trial, sampler, space.define(trial, CTX), 3.0, 3.0, 0.5)
     trials.flush()
     assert len(persistent.trials) == 4 and persistent.best_value == 3.0
+
+
+def test_unscorable_trials_are_pruned_so_tpe_stops_proposing_them() -> None:
+    """A draft-model trial the allowance cannot score is pruned (``Trials.prune``): TPE ranks it
+    below every scored trial and turns to what it can score. Power check: told FAIL instead (as
+    before), TPE ignores it and proposed the draft model on nearly every later trial (40 of 40 in
+    the study's replay)."""
+    space = get_space("auto")
+    ctx = SpaceContext(n_layers=28, draft_layers=24, max_draft_length=12)
+    proposed = {}
+    for close in ("prune", "fail"):
+        trials = Trials(optuna.create_study(direction="maximize"), space, ctx, seed=0, beta=1)  # every trial Bayesian
+        drafts = 0
+        for i in range(60):
+            trial, sampler = trials.ask()
+            strategy = space.define(trial, ctx)
+            if i >= 20:
+                drafts += strategy.drafter == "draft-model"
+            if strategy.drafter == "draft-model":
+                getattr(trials, close)(trial)
+            else:
+                trials.tell(trial, sampler, strategy, 2.0 if strategy.drafter == "prompt-lookup" else 1.0, 1.0, 0.5)
+        proposed[close] = drafts
+    assert proposed["prune"] <= 10 and proposed["fail"] >= 30, proposed

@@ -324,7 +324,7 @@ class Adapter:
         initial = stored if stored.speculates and self._in_space(stored) else PLAIN
         # on live traffic a draft's catch-up over a request's prompt waits until the share covers it
         tuner = OnlineTuner(self.space, self.ctx, study, self._cost(),
-                            TunerSettings(max_share=s.retune_share, defer_catch_up=True), initial)
+                            TunerSettings(max_share=s.retune_share), initial)
         if cluster is not None:
             known = [p for e in self.book.entries for p in e.prompts]
             texts = self.pending.texts(cluster)
