@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.tuning.cost_model import CostModel
-from autotune.tuning.matchness import TOP_K, LookupMatch, Match
+from autotune.tuning.matchness import TOP_K, LookupMatch, Match, lookup_match
 from runtime.drafters import tree_shape
 from search_spaces.strategy import Strategy
 
@@ -188,3 +188,18 @@ def lookup_rounds(match: LookupMatch, k: int, horizon: int | None = None) -> lis
             out.append((a, p, min(1.0, (end - i) / (a + 1.0))))
             i += a + 1
     return out
+
+
+def replay_lookup(strategy: Strategy, decoded: list[tuple[int, list[int]]], max_length: int,
+                  cost: CostModel) -> float | None:
+    """Prompt lookup's predicted tokens/s over whole texts (``decoded``: each prompt's length and
+    prompt + output), every output replayed in full as it would decode; None when none could be."""
+    tokens = seconds = 0.0
+    for start, seq in decoded:
+        n = len(seq) - start
+        if n < 2:
+            continue
+        got = predict_lookup(strategy, lookup_match(seq, n, max_length), cost)
+        if got.tokens_per_s > 0:
+            tokens, seconds = tokens + n, seconds + n / got.tokens_per_s
+    return tokens / seconds if seconds > 0 else None

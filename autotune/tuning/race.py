@@ -92,6 +92,16 @@ class RoundMark:
         return cls(tokens, stats.target_forwards, stats.draft_rounds, stats.verify_s, clock, stats.drafted,
                    stats.accepted)
 
+    def step_since(self, last: RoundMark) -> tuple[float, float | None] | None:
+        """The target's seconds per step since ``last`` and its rows (1 + the tokens drafted per
+        round: what a verify that does not pad runs; None: plain steps), or None when none ran."""
+        steps = self.forwards - last.forwards
+        if steps <= 0 or self.verify_s <= last.verify_s:
+            return None
+        rounds = self.draft_rounds - last.draft_rounds
+        rows = 1.0 + (self.drafted - last.drafted) / rounds if rounds > 0 else None
+        return (self.verify_s - last.verify_s) / steps, rows
+
 
 @dataclass
 class Racer:

@@ -42,115 +42,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import optuna
 
 from autotune.tuning.budget import Budget
 from autotune.tuning.cost_model import CostModel
-from autotune.tuning.matchness import lookup_match
-from autotune.tuning.objective import predict_lookup, predict_plain
+from autotune.tuning.objective import predict_plain, replay_lookup
 from autotune.tuning.race import Families, Kept, Race, Racer, RoundMark, Score
-from autotune.tuning.scoring import SCORERS, Window
+from autotune.tuning.scoring import Window
 from autotune.tuning.trials import Trials, bayesian_sampler
+from autotune.tuning.tuner_state import TunerSettings, TunerState
 from runtime.decoding import Decoder
 from runtime.kv_cache import KVCache
 from runtime.stats import DecodeStats
-from search_spaces.errors import SpaceError
 from search_spaces.spaces import SearchSpace, SpaceContext
 from search_spaces.strategy import PLAIN, Strategy
 
-__all__ = ["SCORERS", "Kept", "OnlineTuner", "Racer", "TunerSettings", "TunerState", "bayesian_sampler"]
-
-
-@dataclass(frozen=True)
-class TunerSettings:
-    window: int = 32  # gamma: generated tokens scored per candidate (SWIFT B.2)
-    # every beta-th sampled trial is proposed by the Bayesian sampler (SWIFT: every 25th of its 1000
-    # trials; a study here runs tens of trials, so the sampler proposes every second sampled one)
-    beta: int = 2
-    max_trials: int = 1000  # S
-    patience: int = 300  # stop after this many trials without a new racer
-    # stop once the incumbent's matchness reaches this (SWIFT's score threshold); None = never:
-    # with a draft model matchness starts near 1, and draft length / threshold still need tuning
-    match_threshold: float | None = None
-    max_share: float = 0.02  # tuning time stays below this share of the time decoded so far
-    # a candidate joins the race when predicted this much faster than the incumbent on the same window
-    switch_margin: float = 0.05
-    trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
-    race_windows: int = 1  # further windows a racer must win before its measured trial ...
-    # ... unless scored this much (a share) above the incumbent on the window: then it is measured at
-    # once, so the stream runs on a strategy that pays from its first windows (None: never)
-    rush_margin: float | None = 0.25
-    confirm_tokens: int = 32  # tokens a measured trial decodes before the decision
-    # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
-    # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
-    probation_tokens: int = 128
-    stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
-    min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
-    seed: int = 0
-    # a drafting model scores a window only once the allowance covers its forward: the catch-up over
-    # the text it has not seen (a whole prompt, for each new one), or a plan's pass over the window
-    # (measured: a GSM8K re-tune's first sweep caught the 0.5B draft up over 760 tokens, 2.6 s of
-    # tuning in a 14 s request, against a 5% share; a HumanEval study's first window put the
-    # allowance so far below zero that no trial ran on its 6 later prompts). Free candidates
-    # (prompt lookup, matches cached on the window) are scored meanwhile
-    defer_catch_up: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("window", "beta", "max_trials", "patience", "trials_per_round", "race_windows",
-                     "confirm_tokens", "probation_tokens", "stop_windows", "min_trials"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpaceError(f"tuner setting {name}={value!r} must be a positive integer")
-        if self.match_threshold is not None and not 0.0 < self.match_threshold <= 1.0:
-            raise SpaceError(f"tuner setting match_threshold={self.match_threshold!r} must be in (0, 1]")
-        if isinstance(self.switch_margin, bool) or not isinstance(self.switch_margin, (int, float)) \
-                or not 0.0 <= self.switch_margin < 1.0:
-            raise SpaceError(f"tuner setting switch_margin={self.switch_margin!r} must be in [0, 1)")
-        if self.rush_margin is not None and (isinstance(self.rush_margin, bool) or not isinstance(
-                self.rush_margin, (int, float)) or self.rush_margin < 0):
-            raise SpaceError(f"tuner setting rush_margin={self.rush_margin!r} must be a share >= 0, or None")
-        if not 0.0 < self.max_share <= 1.0:
-            raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
-
-
-@dataclass
-class TunerState:
-    trials: int = 0
-    since_improvement: int = 0
-    best_score: float = float("-inf")  # the incumbent's score (tokens/s) on the latest window
-    best_match: float = 0.0  # and its matchness there
-    tuning_s: float = 0.0  # tuning time per window: scoring, trials, races (the allowance's spending)
-    calibration_s: float = 0.0  # one-time: timing the cost model while tuning (apart from ``tuning_s``)
-    skipped_for_budget: int = 0  # rounds that ran no trial because tuning was over its time share
-    windows: int = 0  # windows scored
-    stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
-    measured_trials: int = 0
-    swept: int = 0  # points scored by the sweeps of fresh windows (arithmetic on cached matches)
-    flush_s: float = 0.0  # a study's one copy of its trials to the persistent study, after its prompts
-    unscored: int = 0  # trials pruned: their drafter could not score the window (not within the allowance)
-    done: bool = False
-    stop_reason: str = ""
-    # stopped because the incumbent kept leading: later windows are still scored (the incumbent and
-    # the free families: token arithmetic, a drafting model's forward only within the allowance),
-    # and a candidate that beats the incumbent there resumes tuning (the text moved)
-    watching: bool = False
-    resumed: int = 0  # times a watching tuner resumed
+__all__ = ["Kept", "OnlineTuner", "Racer", "TunerSettings", "TunerState", "bayesian_sampler"]
 
 
 class OnlineTuner:
-    def __init__(
-        self,
-        space: SearchSpace,
-        ctx: SpaceContext,
-        study: optuna.Study,
-        cost: CostModel,
-        settings: TunerSettings,
-        initial: Strategy = PLAIN,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
+    def __init__(self, space: SearchSpace, ctx: SpaceContext, study: optuna.Study, cost: CostModel,
+                 settings: TunerSettings, initial: Strategy = PLAIN,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         """``study``: where trials are kept (``flush`` copies them there; an in-memory working
         study takes them while decoding). ``initial``: a strategy to try first (e.g. a resumed
         study's best): it is enqueued and must win its race like any candidate; decoding starts
@@ -163,7 +79,6 @@ class OnlineTuner:
         self.window = Window(settings.window, ctx.max_draft_length, cost)  # the latest scored, its matches cached
         if settings.defer_catch_up:
             self.window.afford = self.budget.covers
-        self._trials_at_window = 0  # trials run before the latest window
         self._last: RoundMark | None = None
         self._prompt_start = 0
         self._applied = False
@@ -193,25 +108,10 @@ class OnlineTuner:
         """A racer decoding for its measured trial."""
         return self.racing.challenger
 
-    @challenger.setter
-    def challenger(self, kept: Kept | None) -> None:
-        self.racing.challenger = kept
-
     @property
     def kept(self) -> list[Kept]:
+        """Every strategy that decoded, in order (``Race.kept``)."""
         return self.racing.kept
-
-    @property
-    def switches(self) -> list[int]:
-        return self.racing.switches
-
-    @property
-    def rejected(self) -> list[Kept]:
-        return self.racing.rejected
-
-    @property
-    def reverted(self) -> list[Kept]:
-        return self.racing.reverted
 
     # ----------------------------------------------------------------- decode hooks
     def start_prompt(self, prompt_len: int) -> None:
@@ -222,9 +122,7 @@ class OnlineTuner:
 
     def end_prompt(self, tokens: list[int], stats: DecodeStats, flush: bool = True) -> None:
         """Attribute the prompt's last round to the running strategy, refresh the incumbent's
-        correction with it (what it is predicted to do is what it measured so far); persist the
-        new trials (``flush=False``: the caller flushes once, after its last prompt - a study,
-        whose RDB writes cost ~30 ms a trial on SQLite, a third of its allowance when per prompt)."""
+        correction with it, and persist the new trials (``flush=False``: the caller flushes later)."""
         self._account(tokens, stats)
         self._last = None
         self.decoded.append((self._prompt_start, list(tokens)))
@@ -238,7 +136,8 @@ class OnlineTuner:
 
     def before_round(self, decoder: Decoder, tokens: list[int], cache: KVCache, stats: DecodeStats) -> None:
         self._account(tokens, stats)
-        self._probation(decoder)
+        if self.racing.probation(decoder):  # a kept strategy measured slower than the one it replaced
+            self.state.stable = 0
         t0 = self.clock()
         # re-scoring less once the incumbent leads, after the tuner has explored ``min_trials``
         stable = self.state.stable if self.state.trials >= self.settings.min_trials else 0
@@ -251,9 +150,7 @@ class OnlineTuner:
             self._tune(decoder, tokens, t0)
         finally:
             spent = self.clock() - t0
-            # timing the cost model (a plan first priced, what the store did not keep) is a
-            # one-time cost of the model pair on this machine, not of the window: reported apart,
-            # not held against the allowance, so it never starves the trials after it
+            # timing the cost model is a one-time cost of the models on this machine: reported apart
             once = min(max(self._calibrated() - timed, 0.0), spent)
             self.state.calibration_s += once
             self._spend(spent - once)
@@ -277,13 +174,11 @@ class OnlineTuner:
         if not self.budget.covers(0.0):
             self.state.skipped_for_budget += 1
             return
-        if self._wants_window(tokens):
+        if len(tokens) - self.window.at >= self.settings.window:  # fresh tokens: a window is cheap
             self._new_window(decoder, tokens)
         if self.state.done or not self.window.tokens:
             return
-        # trials score on the latest window scored (its matches are cached until the next one,
-        # across prompts too), so between windows a candidate whose plan was scored there costs
-        # no forward
+        # trials score on the latest window (its matches cached): a plan scored there costs no forward
         for _ in range(self.settings.trials_per_round):
             if self.state.done or self.challenger is not None or not self._trial(decoder, self.window.tokens) \
                     or not self.budget.covers(self.clock() - t0):
@@ -299,12 +194,6 @@ class OnlineTuner:
         self.state.tuning_s += seconds
         self.budget.spend(seconds)
 
-    def _wants_window(self, tokens: list[int]) -> bool:
-        """A fresh window is scored whenever ``window`` new tokens are there: the incumbent, the
-        racers and the free families are re-scored on it (token arithmetic, and a drafting model's
-        forward only where the allowance covers it, ``defer_catch_up``), so windows are cheap."""
-        return len(tokens) - self.window.at >= self.settings.window
-
     def _account(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the round just decoded to the running strategy (``Race.account``) and refresh
         the cost model with its target step (a verify at the fixed width when it drafted, else a
@@ -314,12 +203,11 @@ class OnlineTuner:
         if last is None:
             return
         self.racing.account(last, mark)
-        steps = mark.forwards - last.forwards
-        if steps > 0 and mark.verify_s > last.verify_s:
-            seconds = (mark.verify_s - last.verify_s) / steps
-            rounds = mark.draft_rounds - last.draft_rounds
-            if rounds > 0:  # its rows: 1 + the tokens drafted (what a verify that does not pad runs)
-                self.cost.observe_verify(seconds, 1.0 + (mark.drafted - last.drafted) / rounds)
+        step = mark.step_since(last)
+        if step is not None:
+            seconds, rows = step
+            if rows is not None:
+                self.cost.observe_verify(seconds, rows)
             else:
                 self.cost.observe_plain(seconds)
 
@@ -373,24 +261,13 @@ class OnlineTuner:
         if not state.done or state.watching:  # a stopped tuner only finishes its race; a watching one sweeps
             survivors += self._sweep(decoder, tokens, incumbent)
         if state.watching and survivors:  # the text moved: a candidate beats the incumbent again
-            state.done, state.watching, state.stop_reason, state.stable = False, False, "", 0
-            state.resumed += 1
+            state.resume()
         if self.racing.measure_best(decoder, survivors, incumbent, self.settings.rush_margin):
             state.measured_trials += 1
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
             self.trials.enqueue(near)
-        # the incumbent led on this window if candidates were tried since the last one and none
-        # survived (a window without trials - the budget spent - says nothing)
-        tried = state.trials + state.swept
-        if survivors:
-            state.stable = 0
-        elif tried > self._trials_at_window:
-            state.stable += 1
-        self._trials_at_window = tried
-        if not state.done and state.stable >= self.settings.stop_windows and state.trials >= self.settings.min_trials:
-            state.done = state.watching = True
-            state.stop_reason = f"the incumbent led on {state.stable} windows in a row"
-        self._maybe_stop()
+        state.after_window(bool(survivors), self.settings)
+        state.check_limits(self.settings, inc.strategy.speculates)
 
     def _sweep(self, decoder: Decoder, tokens: list[int], incumbent: float) -> list[Racer]:
         """Sweep the free families at every point of their grids (``Race.sweep``); the racers that
@@ -414,7 +291,7 @@ class OnlineTuner:
         (what it would have done on the same tokens)."""
         ch = self.challenger
         assert ch is not None
-        self.challenger = None
+        self.racing.challenger = None
         self.racing.correct(ch)
         same_text = None
         if self.incumbent.strategy.speculates:
@@ -422,11 +299,6 @@ class OnlineTuner:
             self.window.mark(tokens)  # the window just scored is the latest (trials reuse its matches)
         if self.racing.decide(decoder, ch, same_text):
             self.state.since_improvement = 0
-            self.state.stable = 0
-
-    def _probation(self, decoder: Decoder) -> None:
-        """Revert a kept strategy that measured slower than the one it replaced (``Race.probation``)."""
-        if self.racing.probation(decoder):
             self.state.stable = 0
 
     def _trial(self, decoder: Decoder, tokens: list[int]) -> bool:
@@ -453,19 +325,8 @@ class OnlineTuner:
         state.since_improvement += 1
         if self.racing.join(strategy, trial.number, score, raw, rate, incumbent):
             state.since_improvement = 0
-        self._maybe_stop()
+        state.check_limits(self.settings, self.incumbent.strategy.speculates)
         return not state.done
-
-    def _maybe_stop(self) -> None:
-        s, cfg = self.state, self.settings
-        if s.done:
-            return
-        if s.trials >= cfg.max_trials:
-            s.done, s.stop_reason = True, f"{cfg.max_trials} trials"
-        elif s.since_improvement >= cfg.patience:
-            s.done, s.stop_reason = True, f"no new racer in {cfg.patience} trials"
-        elif cfg.match_threshold is not None and self.incumbent.strategy.speculates and s.best_match >= cfg.match_threshold:
-            s.done, s.stop_reason = True, f"matchness {s.best_match:.2f} >= {cfg.match_threshold}"
 
     # ----------------------------------------------------------------- results
     @property
@@ -482,15 +343,8 @@ class OnlineTuner:
         the match statistics of the text itself); any other kind's task prediction when it was
         kept (``predicted_tps``); else None."""
         if strategy.drafter == "prompt-lookup":
-            tokens = seconds = 0.0
-            for start, seq in self.decoded:
-                n = len(seq) - start
-                if n < 2:
-                    continue
-                got = predict_lookup(strategy, lookup_match(seq, n, self.ctx.max_draft_length), self.cost)
-                if got.tokens_per_s > 0:
-                    tokens, seconds = tokens + n, seconds + n / got.tokens_per_s
-            return tokens / seconds * self.correction(strategy) if seconds > 0 else None
+            raw = replay_lookup(strategy, self.decoded, self.ctx.max_draft_length, self.cost)
+            return raw * self.correction(strategy) if raw else None
         return self.predicted_tps(strategy)
 
     def flush(self) -> None:
@@ -501,18 +355,8 @@ class OnlineTuner:
         plain_s = self.cost.plain_step_s()
         return {
             "plain_predicted_tps": 1.0 / plain_s if plain_s > 0 else None,
-            "trials": self.state.trials,
-            "stop_reason": self.state.stop_reason or "prompts ran out",
             "best_predicted_tps": self.predicted_tps(self.incumbent.strategy) or 0.0,
             "best_matchness": self.incumbent.matchness,
-            "tuning_s": self.state.tuning_s,
-            "calibration_s": self.state.calibration_s,
-            "rounds_over_budget": self.state.skipped_for_budget,
-            "windows": self.state.windows,
-            "measured_trials": self.state.measured_trials,
-            "swept": self.state.swept,
-            "unscored": self.state.unscored,
-            "resumed": self.state.resumed,
-            "flush_s": self.state.flush_s,
+            **self.state.report(),
             **self.racing.summary(),  # rejected, switches, reverted, kept
         }

@@ -180,7 +180,8 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
     # and a kept candidate stays kept: probation compares its measured speed with plain decoding's
     # (a same-size draft is slower), and whether it reverts within 192 tokens depends on the
     # machine's timings (it did on CI's), not on what this test checks
-    monkeypatch.setattr(OnlineTuner, "_probation", lambda self, decoder: None)
+    from autotune.tuning.race import Race
+    monkeypatch.setattr(Race, "probation", lambda self, decoder: False)
     store = f"sqlite:///{tmp_path / 'lossy.db'}"
     report_path = tmp_path / "study.json"
     code, out, err = run(capsys, "study", "--model", "smollm2-135m", "--draft", "smollm2-135m", "--space", "draft",

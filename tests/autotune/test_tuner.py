@@ -281,7 +281,7 @@ def test_tuner_with_a_fixed_seed_is_reproducible_and_lossless(target):
     assert a_out.tokens == b_out.tokens == plain
     assert a.kept[0].strategy == PLAIN and a.kept[0].tokens > 0  # plain decoding ran first
     assert any(k.strategy.speculates and k.trial >= 0 for k in a.kept)  # then it switched to a tuned candidate
-    assert a.switches and a.state.measured_trials >= len(a.switches)
+    assert a.racing.switches and a.state.measured_trials >= len(a.racing.switches)
     assert a_out.stats.drafted > 0
     # the end of a prompt refreshes the kept strategy's correction with all it measured
     assert a.best.speculates and a.predicted_tps(a.best) == pytest.approx(a.incumbent.measured_tps)
@@ -319,10 +319,10 @@ def test_a_challenger_that_measures_slower_goes_back_to_the_incumbent(target):
     plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=64)).tokens
     out, tuner, _ = self_spec_run(target, seed=7, clock=SimClock(draft=3.0))
     assert out.tokens == plain
-    assert tuner.state.measured_trials >= 1 and tuner.rejected and tuner.best == PLAIN
-    lost = tuner.rejected[0]
+    assert tuner.state.measured_trials >= 1 and tuner.racing.rejected and tuner.best == PLAIN
+    lost = tuner.racing.rejected[0]
     assert lost.measured_tps < tuner.kept[0].recent_tps
-    last = tuner.rejected[-1]
+    last = tuner.racing.rejected[-1]
     # measured over the mean of its uncorrected predictions on the windows it raced and decoded
     assert tuner.correction(last.strategy) == pytest.approx(last.measured_tps / (sum(last.raws) / len(last.raws)))
     assert tuner.correction(last.strategy) < 1.0
@@ -347,8 +347,8 @@ def test_a_kept_strategy_that_turns_slower_than_what_it_replaced_is_reverted(tar
     plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=96)).tokens
     out, tuner, _ = self_spec_run(target, seed=8, n_new=96, clock=ShiftingClock(after=30), probation_tokens=12)
     assert out.tokens == plain
-    assert tuner.reverted, tuner.summary()
-    gone = tuner.reverted[0]
+    assert tuner.racing.reverted, tuner.summary()
+    gone = tuner.racing.reverted[0]
     assert gone.replaced is not None and gone.measured_tps < gone.replaced.measured_tps
     assert tuner.summary()["reverted"][0]["measured_tps"] == pytest.approx(gone.measured_tps)
 
@@ -361,9 +361,9 @@ def test_probation_reverts_beyond_the_margin_only(target):
         before = Kept(PLAIN, trial=-1, predicted_tps=100.0, matchness=0.0, tokens=100, seconds=1.0)
         kept = Kept(Strategy(drafter="prompt-lookup", draft_length=4), trial=3, predicted_tps=110.0, matchness=0.5,
                     tokens=int(kept_tps), seconds=1.0, replaced=before)
-        tuner.incumbent, tuner.challenger = kept, None
-        tuner._probation(Decoder(target))
-        assert (tuner.incumbent is before) == reverted and bool(tuner.reverted) == reverted
+        tuner.incumbent, tuner.racing.challenger = kept, None
+        tuner.racing.probation(Decoder(target))
+        assert (tuner.incumbent is before) == reverted and bool(tuner.racing.reverted) == reverted
 
 
 def test_a_candidate_must_keep_winning_on_fresh_windows(target):
