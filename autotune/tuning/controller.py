@@ -39,6 +39,7 @@ from autotune.tuning.budget import Budget
 from autotune.tuning.cost_model import CostModel
 from autotune.tuning.objective import Prediction
 from autotune.tuning.scoring import Window
+from autotune.tuning.tuner_state import SCORING
 from runtime.decoding import Decoder
 from runtime.kv_cache import KVCache
 from runtime.stats import DecodeStats
@@ -52,9 +53,9 @@ CORRECTION_RANGE = (0.25, 4.0)  # a correction never leaves this range (one odd 
 
 @dataclass(frozen=True)
 class ControlSettings:
-    window: int = 32  # gamma: generated tokens between decisions (the first decision after the first window)
-    margin: float = 0.05  # a switch needs this much more predicted speed than plain and than the current strategy
-    max_share: float = 0.02  # scoring a drafting model stays below this share of the request's decode time
+    window: int = SCORING.window  # gamma: generated tokens between decisions (the first decision after the first window)
+    margin: float = SCORING.margin  # a switch needs this much more predicted speed than plain and than the current strategy
+    max_share: float = SCORING.max_share  # scoring a drafting model stays below this share of the request's decode time
     guard_tokens: int = 32  # speculation measured slower than plain over this many tokens stops for the request
     lookup_length: int = 8  # prompt lookup's draft length as a candidate (capped by the verify width)
     min_measured: int = 8  # tokens decoded alone since the last decision before measurement judges the current

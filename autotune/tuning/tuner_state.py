@@ -5,12 +5,26 @@ from dataclasses import dataclass
 
 from search_spaces.errors import SpaceError
 
-__all__ = ["TunerSettings", "TunerState"]
+__all__ = ["SCORING", "Scoring", "TunerSettings", "TunerState"]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How candidates are scored on the generated text, shared by a study's tuner and a request's
+    controller: ``window`` tokens a score reads, the ``margin`` a switch needs over the current
+    strategy, and the ``max_share`` of decode time that scoring may take."""
+
+    window: int = 32  # gamma (SWIFT B.2)
+    margin: float = 0.05
+    max_share: float = 0.02
+
+
+SCORING = Scoring()  # the defaults of ``TunerSettings`` and ``ControlSettings``
 
 
 @dataclass(frozen=True)
 class TunerSettings:
-    window: int = 32  # gamma: generated tokens scored per candidate (SWIFT B.2)
+    window: int = SCORING.window  # gamma: generated tokens scored per candidate
     # every beta-th sampled trial is proposed by the Bayesian sampler (enqueued seeds do not count)
     beta: int = 2
     max_trials: int = 1000  # S
@@ -18,9 +32,9 @@ class TunerSettings:
     # stop once the incumbent's matchness reaches this (SWIFT's score threshold); None = never:
     # with a draft model matchness starts near 1, and draft length / threshold still need tuning
     match_threshold: float | None = None
-    max_share: float = 0.02  # tuning time stays below this share of the time decoded so far
+    max_share: float = SCORING.max_share  # tuning time stays below this share of the time decoded so far
     # a candidate joins the race when predicted this much faster than the incumbent on the same window
-    switch_margin: float = 0.05
+    switch_margin: float = SCORING.margin
     trials_per_round: int = 4  # at most this many trials before one decode round (budget permitting)
     race_windows: int = 1  # further windows a racer must win before its measured trial ...
     # ... unless scored this much (a share) above the incumbent on the window: then it is measured at
