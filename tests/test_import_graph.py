@@ -1,6 +1,6 @@
 """The project's import graph: no cycles (module-level, lazy and TYPE_CHECKING imports alike) and
 dependencies that point one way: ``autotune -> {runtime, search_spaces, studies}``,
-``runtime -> search_spaces``, ``search_spaces`` and ``studies`` on their own (DESIGN.md, Layout)."""
+``runtime -> search_spaces``, ``search_spaces`` and ``studies`` on their own (docs/design.md, Packages)."""
 from __future__ import annotations
 
 import ast

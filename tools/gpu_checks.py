@@ -11,7 +11,7 @@ prints which run (``runtime.precision`` allows int4 / int8 / w8a8 only on the CP
 ``agreement`` decodes one seeded random prompt plainly and with prompt lookup, a draft chain and a
 draft tree (the draft is the target itself, so drafts are accepted and verifies are wide) at
 float32 and bfloat16, and prints per mode whether the tokens equal plain decoding's, where they
-first part, what was drafted and accepted, and tokens/s. DESIGN.md: bf16 on a GPU is not
+first part, what was drafted and accepted, and tokens/s. docs/design.md: bf16 on a GPU is not
 batch-invariant, so identity is not claimed there; agreement is reported.
 """
 from __future__ import annotations

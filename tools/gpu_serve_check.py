@@ -21,7 +21,7 @@ each strategy's own length): per request, whether its token ids equal its solo a
 first part, and what it drafted. Also: start-up seconds (the compiled buckets' share), the
 steps' rows and time by batch size, tokens/s alone and together, and under ``--compile`` the graphs
 compiled and CUDA-graph skips counted by torch during the requests (0 and 0: every step replayed a
-graph built at start-up). DESIGN.md: bf16 on a GPU is not batch-invariant, so this reports
+graph built at start-up). docs/design.md: bf16 on a GPU is not batch-invariant, so this reports
 agreement; identity is the fp32 CPU claim.
 """
 from __future__ import annotations
