@@ -15,19 +15,20 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    InvariantRows, RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows,
+    RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows,
     no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
-from runtime.compiled import bucketed, compile_step, cuda_graphs, note_step, run_step, step_key
+from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, batched_group_rows, compile_plan, run_blocks
+from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
+from runtime.layout import CHAIN, Layout, invariant_rows
 from runtime.linear import (
     FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear,
-    prefill_linear, row_way,
+    prefill_linear,
 )
-from runtime.linear import run_rows as run_linear_rows
-from runtime.slots import SlotCache, SlotView, slot_parts, slot_step
+from runtime.slots import SlotCache
+from runtime.step_runner import StepRunner
 from search_spaces.layer_plan import LayerPlan
 
 
@@ -127,7 +128,7 @@ class CausalLM:
         self.row_ways: dict[int, str] = {}  # rows -> how a batched step runs them (runtime.linear.run_rows)
         self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
-        self._compiled_step: Callable[..., torch.Tensor] | None = None  # see compile_steps()
+        self.steps = StepRunner(self)  # eager, compiled or slot forwards (see compile_steps())
         self._static_caches: dict[int, KVCache] = {}  # compiled on CUDA: one cache per capacity (new_cache)
         self.slots: SlotCache | None = None  # where this wrapper's sequences keep their K/V (runtime.slots), if set
 
@@ -140,18 +141,11 @@ class CausalLM:
 
     @property
     def is_compiled(self) -> bool:
-        return self._compiled_step is not None
+        return self.steps.is_compiled
 
     def compile_steps(self, enabled: bool = True) -> None:
-        """Run every forward after the prefill through ``torch.compile(fullgraph=True,
-        dynamic=False)`` (CUDA graphs on CUDA; ``runtime.compiled``). Needs the dense linear
-        backend: packed and int8 GEMMs are opaque to the compiler."""
-        if enabled and self.backend != "dense":
-            raise RuntimeUserError(
-                f"compiled steps need the dense linear backend, but this model runs '{self.backend}' "
-                "projections; use float weights (e.g. --draft-precision float32) with --compile"
-            )
-        self._compiled_step = compile_step(self._step, self.device) if enabled else None
+        """Compile every forward after the prefill (``StepRunner.compile``)."""
+        self.steps.compile(enabled)
 
     def use_linear_backend(self, backend: str, width: int = 1, draft: bool = False) -> None:
         """Execute every projection (and the head) with ``backend`` (see ``runtime.linear``);
@@ -303,59 +297,20 @@ class CausalLM:
             gate, up = run(lin["gate"], x), run(lin["up"], x)
         return run(lin["down"], layer.mlp.act_fn(gate) * up)
 
-    def forward(
-        self,
-        tokens: torch.Tensor,  # [T] long
-        cache: KVCache,
-        positions: torch.Tensor | None = None,  # [T] rope positions; default cache.length + arange
-        mask: torch.Tensor | None = None,  # [T, cache.length + T] bool, an explicit mask (diagnostics)
-        logits_for: slice | torch.Tensor | None = None,  # which rows get logits; None = all
-        plan: LayerPlan | None = None,  # run the layers under this plan (None: all, in order)
-        rel_mask: torch.Tensor | None = None,  # [T, R] bool over the last R slots (see attend_mask)
-        prompt_chunk: bool = False,  # rows of the prompt (a chunk of it, any length): run as a prefill
-    ) -> torch.Tensor:
-        """Run ``T`` new tokens, append their K/V to ``cache``, return logits ``[T', V]``.
+    def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout = CHAIN,
+                logits_for: slice | torch.Tensor | None = None, plan: LayerPlan | None = None,
+                **legacy: Any) -> torch.Tensor:
+        """Run ``T`` new tokens (``[T]`` long), append their K/V to ``cache``, return logits ``[T', V]``
+        (``logits_for``: which rows; None: all). The rows attend as ``layout`` says (causal after the
+        cache by default; ``runtime.layout``); ``plan`` runs the layers as a layer plan says, its
+        skipped attention sub-layers writing no K/V. ``self.steps`` picks the eager, compiled or slot way."""
+        if legacy:
+            layout = _legacy_layout(**legacy)
+        return self.steps.forward(tokens, cache, layout, logits_for, plan)
 
-        The rows attend causally by default; ``rel_mask`` (a draft tree's or a verify pass's block
-        over this round's rows, the prefix before it visible) or ``mask`` (explicit, any pattern)
-        override that. A prompt into an empty cache runs at its exact length (causal SDPA) with the
-        prefill's weights, and so does a ``prompt_chunk`` after the prompt's earlier chunks (its keys
-        the cache's first ``length + T`` slots; ``Decoder.start_steps``); every other forward runs over the cache's whole
-        capacity with a mask built on the device, so its shapes are static (compiled steps, see
-        ``compile_steps``) and it reads nothing back.
+    __call__ = forward
 
-        Under a ``plan``, skipped attention sub-layers write no K/V (their cache rows for these
-        slots stay stale; a later exact forward over the same slots overwrites them)."""
-        t = tokens.shape[0]
-        start = cache.length
-        cache.check_room(t)
-        self.rope.ensure(cache.capacity + 1, self.device)
-        full = None
-        if mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
-            full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=self.device)
-            full[:, : start + t] = mask.to(self.device)
-        prefill = (prompt_chunk or (start == 0 and t > 1)) and positions is None and mask is None and rel_mask is None
-        cp = None if plan is None or plan.is_identity else self.compiled(plan)
-        if cp is None and self.recorder is not None:  # a recorder sees every forward through run_blocks
-            cp = self.compiled(LayerPlan(n_layers=self.dims.n_layers))
-        if (self._compiled_step is not None and not prefill and cp is None and full is None and self.recorder is None
-                and isinstance(cache, SlotView) and cuda_graphs(self.device)):
-            # a lone request's step on its K/V slot (serve --compile) runs as the batched steps run:
-            # the row bucket's graph over the whole slot cache, which CUDA graphs replay (a graph
-            # of the slot's own view was not replayed on an H200: inductor skipped it for "mutated
-            # inputs", the view not being the static tensor)
-            return slot_step(self, cache.owner, [BatchPart(tokens, cache, positions, rel_mask, logits_for)])[0]
-        args = (tokens, cache.slots(t), positions, rel_mask, full, cache, cp, logits_for, start + t if prefill else None)
-        if self._compiled_step is not None and not prefill and self.recorder is None:
-            note_step(step_key(self, tokens, rel_mask, cp, positions is None, full is None,
-                               _rows_key(logits_for), cache.capacity))
-            logits = run_step(self._compiled_step, self.device, *args)
-        else:
-            logits = self._step(*args)
-        cache.advance(t)
-        return logits
-
-    def _step(
+    def step(
         self,
         tokens: torch.Tensor,  # [T]
         slots: torch.Tensor,  # [T] cache slots written
@@ -378,7 +333,7 @@ class CausalLM:
         windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)
         inv = None
         if self.invariant and key_len is None:  # never compiled (dense only): host ints and reads are free
-            inv = self._invariant_rows(tokens.shape[0], cache.length, positions, rel_mask, full, mask)
+            inv = invariant_rows(tokens.shape[0], cache.length, positions, rel_mask, full, mask)
         a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len, inv)
         h = self.embed(tokens)  # [T, H]
         if cp is None:
@@ -393,101 +348,18 @@ class CausalLM:
             h = h[logits_for]
         return self.head(self.norm(h))
 
-    __call__ = forward
-
-    @staticmethod
-    def _invariant_rows(
-        t: int, start: int, positions: torch.Tensor, rel_mask: torch.Tensor | None, full: torch.Tensor | None,
-        mask: torch.Tensor,
-    ) -> InvariantRows:
-        """How this forward's rows attend on a quantised backend."""
-        if full is not None:  # an explicit mask (diagnostics): any row may see any slot of the forward
-            return InvariantRows(((0, t, round_keys(start + t)),))
-        if rel_mask is None:
-            return InvariantRows.contiguous(start, t)
-        return InvariantRows.gathered(mask, positions)
-
     def forward_rows(
         self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """``tokens`` ``[T]`` written at rows ``slots`` of ``cache`` with RoPE ``positions``, each
         attending under its row of ``mask`` ``[T, cache.capacity]`` -> logits ``[T, V]``; the
-        cache's length is the caller's (``runtime.slots.slot_step``). Static shapes: compiled where
-        this model's steps are, one graph per ``T``."""
-        if self.invariant or self.windows is not None:
-            raise ValueError("forward_rows needs a model without row-invariant kernels or sliding windows "
-                             "(its explicit masks span every slot of the cache)")
-        args = (tokens, slots, positions, None, mask, cache, None, None, None)
-        if self._compiled_step is not None and self.recorder is None:
-            note_step(step_key(self, tokens, None, None, False, False, None, cache.capacity))
-            return run_step(self._compiled_step, self.device, *args)
-        return self._step(*args)
+        cache's length is the caller's (``runtime.slots.slot_step``)."""
+        return self.steps.rows(tokens, slots, positions, mask, cache)
 
     def forward_batch(self, parts: Sequence[BatchPart], plan: LayerPlan | None = None) -> list[torch.Tensor]:
-        """One forward over several sequences' new rows (continuous batching) -> logits
-        ``[T_i, V]`` per part. Each part appends to its own cache and attends only to it, under its
-        own mask (causal, or its tree's ``rel_mask`` with its ``positions``), exactly as
-        :meth:`forward` would run it alone; the projections, the MLPs and the head run over all
-        parts' rows at once (``runtime.linear.run_rows``: a packed fp32 GEMM in calls of its
-        packed width, or as ``row_ways`` says for this many rows). Eager, with every cache's whole
-        capacity as keys (no recorder).
-
-        Under a ``plan`` (drafters sharing a layer plan: ``runtime.batching.draft_together``) the
-        layers run as the plan says, a layer-parallel group's members over every part's rows in one
-        stacked call (``runtime.layer_exec.batched_group_rows``); skipped sub-layers write no K/V.
-
-        A compiled model whose parts' caches are all slots of one ``SlotCache`` runs them as one
-        static-shape forward instead (``runtime.slots.slot_step``: one graph per row bucket)."""
-        cp = None if plan is None or plan.is_identity else self.compiled(plan)
-        slot_cache = (slot_parts(parts) if cp is None and self.is_compiled and not self.invariant
-                      and self.windows is None else None)
-        if slot_cache is not None:
-            self.rope.ensure(slot_cache.capacity + 1, self.device)
-            return slot_step(self, slot_cache, parts)
-        sizes = [int(p.tokens.shape[0]) for p in parts]
-        inputs = []
-        for p, t in zip(parts, sizes):
-            p.cache.check_room(t)
-            self.rope.ensure(p.cache.capacity + 1, self.device)
-            slots = p.cache.slots(t)
-            positions = slots if p.positions is None else p.positions
-            cos, sin = self.rope.lookup(positions)
-            mask = attend_mask(slots, p.cache.capacity, p.rel_mask)
-            windowed = window_masks(self.windows, slots, positions, mask)
-            inv = self._invariant_rows(t, p.cache.length, positions, p.rel_mask, None, mask) if self.invariant else None
-            inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None, inv))
-        h = self.embed(torch.cat([p.tokens for p in parts]))  # [R, H]
-
-        way = row_way(self.row_ways, sum(sizes))
-
-        def run_rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-            return run_linear_rows(lin, x, way)
-
-        def attention(li: int, layer: Any, lin: dict[str, Linear], h: torch.Tensor) -> torch.Tensor:
-            q, k, v = (y.split(sizes) for y in self._qkv(lin, layer.input_layernorm(h), run_rows))
-            outs = [self._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
-            return run_rows(lin["o"], torch.cat(outs))
-
-        blocks = [((li,), None) for li in range(len(self.layers))] if cp is None else [(b.layers, b.group) for b in cp.blocks]
-        skip_attn, skip_mlp = (set(), set()) if cp is None else (set(cp.plan.skip_attn), set(cp.plan.skip_mlp))
-        for layers, group in blocks:  # as runtime.layer_exec.run_blocks, over every part's rows
-            grouped = {} if group is None else batched_group_rows(self, group, h, inputs, sizes)
-            for li in layers:
-                layer, lin = self.layers[li], self.linears[li]
-                if group is None and li not in skip_attn:
-                    h = h + attention(li, layer, lin, h)
-                elif li in grouped:
-                    h = h + grouped[li]
-                if li not in skip_mlp:
-                    h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h), run_rows)
-        if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
-            h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
-            sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])
-                     for p in parts]
-        logits = run_rows(self.head, self.norm(h))
-        for p in parts:
-            p.cache.advance(int(p.tokens.shape[0]))
-        return list(logits.split(sizes))
+        """One forward over several sequences' new rows (continuous batching) -> logits ``[T_i, V]``
+        per part, each exactly as :meth:`forward` would run it alone (``StepRunner.batch``)."""
+        return self.steps.batch(parts, plan)
 
 
 @dataclass(frozen=True)
@@ -499,12 +371,6 @@ class BatchPart:
     positions: torch.Tensor | None = None  # [T] rope positions; default cache.length + arange
     rel_mask: torch.Tensor | None = None  # [T, R] bool over the last R slots (a tree), else causal
     logits_for: slice | None = None  # which of its rows get logits (None: all)
-
-
-def _rows_key(rows: slice | torch.Tensor | None) -> Any:
-    if isinstance(rows, slice):
-        return (rows.start, rows.stop, rows.step)
-    return None if rows is None else tuple(rows.shape)
 
 
 # where a linear module keeps the quantised weights a backend reads (``runtime.loading.prepare_backend``)
@@ -547,3 +413,13 @@ def _projections(layer: Any) -> list[tuple[str, Any]]:
         ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj),
     ]
+
+
+def _legacy_layout(positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                   rel_mask: torch.Tensor | None = None, prompt_chunk: bool = False) -> Layout:
+    """The layout of ``forward``'s former keyword arguments (callers move to ``Layout``)."""
+    if prompt_chunk:
+        return Layout.chunk()
+    if mask is not None:
+        return Layout.explicit(mask, positions)
+    return Layout(positions=positions, rel_mask=rel_mask)

@@ -103,6 +103,7 @@ def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs
     slot's own view was skipped by inductor on an H200 ("mutated inputs"). Forced here on the
     CPU: the lone decode (plain, then prompt lookup's verifies) goes through the bucket graphs and
     returns what the eager decode returns."""
+    import runtime.step_runner
     import runtime.transformer
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
@@ -111,6 +112,7 @@ def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs
     eager = _worker(compile=False)
     want = [eager.decoder(s).generate(prompt, cfg).tokens for s in (PLAIN, lookup)]
     monkeypatch.setattr(runtime.transformer, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(runtime.step_runner, "cuda_graphs", lambda device: True)
     worker = _worker(compile=True)
     worker.use_slots(64)
     padded: list[int] = []

@@ -234,7 +234,7 @@ def test_compiled_slot_steps_decode_each_sequence_as_alone(monkeypatch):
     and the batched steps ran at padded row buckets only."""
     from torch._dynamo.utils import counters
 
-    import runtime.transformer as transformer
+    import runtime.step_runner as step_runner
 
     builders = _decoders()
     names = ["plain", "chain", "lookup"]
@@ -251,13 +251,13 @@ def test_compiled_slot_steps_decode_each_sequence_as_alone(monkeypatch):
     for dec in decoders:
         dec.target.slots = slots
     buckets = []
-    real = transformer.slot_step
+    real = step_runner.slot_step
 
     def spy(lm, cache, parts):
         buckets.append(row_bucket(sum(int(p.tokens.shape[0]) for p in parts)))
         return real(lm, cache, parts)
 
-    monkeypatch.setattr(transformer, "slot_step", spy)
+    monkeypatch.setattr(step_runner, "slot_step", spy)
     counters.clear()
     together = generate_batch(decoders[0].target, [BatchRequest(d, p, c) for d, p, c in zip(decoders, PROMPTS, configs)])
     assert not counters["graph_break"], dict(counters["graph_break"])

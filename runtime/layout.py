@@ -1,0 +1,66 @@
+"""How a forward's new rows attend: one value for chains, prompt chunks, blocks (trees, verify
+passes) and explicit masks, built by its constructors and read by ``runtime.step_runner``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention import InvariantRows, round_keys
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """The attention layout of one forward's ``T`` new rows.
+
+    ``chain()`` (the default): causal after the cache, RoPE at the rows' slots (a prompt into an
+    empty cache runs as a prefill). ``chunk()``: a prompt's later chunk, run as a prefill over the
+    cache's first ``length + T`` slots. ``block(rel_mask, positions)``: ``rel_mask`` ``[T, R]`` over
+    the last ``R`` slots (a draft tree's or a verify pass's rows, the prefix before them visible),
+    RoPE at ``positions``. ``explicit(mask, positions)``: ``mask`` ``[T, length + T]``, any pattern."""
+
+    positions: torch.Tensor | None = None  # [T] RoPE positions; None: the rows' slots
+    rel_mask: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    chunk_of_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rel_mask is not None and self.mask is not None:
+            raise ValueError("a layout has a relative block mask or an explicit mask, not both")
+        if self.chunk_of_prompt and (self.positions is not None or self.rel_mask is not None or self.mask is not None):
+            raise ValueError("a prompt chunk attends causally at its slots: no positions or masks")
+
+    @classmethod
+    def chain(cls, positions: torch.Tensor | None = None) -> Layout:
+        return CHAIN if positions is None else cls(positions=positions)
+
+    @classmethod
+    def chunk(cls) -> Layout:
+        return PROMPT_CHUNK
+
+    @classmethod
+    def block(cls, rel_mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> Layout:
+        return cls(positions=positions, rel_mask=rel_mask)
+
+    @classmethod
+    def explicit(cls, mask: torch.Tensor, positions: torch.Tensor | None = None) -> Layout:
+        return cls(positions=positions, mask=mask)
+
+    def prefill(self, start: int, t: int) -> bool:
+        """Whether ``t`` rows after ``start`` cached ones run as a prefill (exact length, causal)."""
+        plain = self.positions is None and self.rel_mask is None and self.mask is None
+        return plain and (self.chunk_of_prompt or (start == 0 and t > 1))
+
+
+CHAIN = Layout()
+PROMPT_CHUNK = Layout(chunk_of_prompt=True)
+
+
+def invariant_rows(t: int, start: int, positions: torch.Tensor, rel_mask: torch.Tensor | None,
+                   full: torch.Tensor | None, mask: torch.Tensor) -> InvariantRows:
+    """How a forward's ``t`` rows attend on a quantised backend (``runtime.attention.sdpa_invariant``)."""
+    if full is not None:  # an explicit mask: any row may see any slot of the forward
+        return InvariantRows(((0, t, round_keys(start + t)),))
+    if rel_mask is None:
+        return InvariantRows.contiguous(start, t)
+    return InvariantRows.gathered(mask, positions)
