@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.draft import Draft, Drafter, DraftSteps, drive
+from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
@@ -225,14 +225,14 @@ class Decoder:
         a catch-up left to the first round made a request's controller measure its draft chain
         slower than plain over its first window. Nothing to do once the sequence is finished.
         -> the tokens the drafting model ran (0: nothing to catch up on, or no drafting model)."""
-        sync = getattr(self.drafter, "sync", None)
-        if sync is None or self.draft_length < 1 or seq.finished:
+        drafter = self.drafter
+        if not isinstance(drafter, CatchesUp) or self.draft_length < 1 or seq.finished:
             return 0
-        pending = len(getattr(self.drafter, "pending", ()))
+        pending = len(drafter.pending)
         started = time.perf_counter()
-        sync()
+        drafter.sync()
         seq.stats.prefill_s += time.perf_counter() - started
-        return max(pending - len(getattr(self.drafter, "pending", ())), 0)
+        return max(pending - len(drafter.pending), 0)
 
     def generate(
         self, prompt: list[int], config: GenerationConfig, before_round: RoundHook | None = None,
@@ -288,12 +288,11 @@ class Decoder:
             k = min(k, self.step_cap)
         if self.drafter is None:
             return _no_draft()
-        if hasattr(self.drafter, "width_cap"):  # a batch under load drafts narrower trees
+        if isinstance(self.drafter, Narrows):  # a batch under load drafts narrower trees
             self.drafter.width_cap = self.step_width
-        steps = getattr(self.drafter, "propose_steps", None)
-        if steps is None:
+        if not isinstance(self.drafter, Stepped):
             return self.drafter.propose(k, config.sampling, gen)
-        return (yield from steps(k, config.sampling, gen))
+        return (yield from self.drafter.propose_steps(k, config.sampling, gen))
 
     def conclude(
         self, draft: Draft, path: list[int], new_tokens: list[int], stats: DecodeStats, eos: frozenset[int]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -72,6 +72,33 @@ class Forward:
 
 # a drafter's propose as steps: yields each Forward, is sent its logits, returns the Draft
 DraftSteps = Generator[Forward, torch.Tensor, Draft]
+
+
+# Optional capabilities: a drafter declares one by subclassing its protocol; ``Decoder`` asks
+# ``isinstance`` and never probes attributes.
+@runtime_checkable
+class Stepped(Protocol):
+    """``propose`` as steps (``DraftSteps``): a batch runs the forwards of several drafters as one."""
+
+    def propose_steps(self, k: int, params: SamplingParams, generator: torch.Generator) -> DraftSteps: ...
+
+
+@runtime_checkable
+class CatchesUp(Protocol):
+    """Keeps a cache of its own: ``pending`` committed tokens it has not run yet, which ``sync``
+    runs (all but the last, whose logits start the next draft)."""
+
+    pending: list[int]
+
+    def sync(self) -> None: ...
+
+
+@runtime_checkable
+class Narrows(Protocol):
+    """Drafts trees that a batch under load may narrow: ``width_cap`` children per node at most
+    next round (None: its shape's)."""
+
+    width_cap: int | None
 
 
 def drive(steps: Generator[Forward, torch.Tensor, Draft]) -> Draft:

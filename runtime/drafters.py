@@ -1,83 +1,33 @@
-"""Drafting models (a draft model, or the target skipping layers) and the tree shapes they draft;
-the contract they implement (``Draft``, ``Drafter``) is ``runtime.draft``."""
+"""Drafting models (a draft model, or the target skipping layers). The contract they implement
+(``Draft``, ``Drafter`` and the capabilities they declare) is ``runtime.draft``; their tree shapes
+are ``runtime.draft_shapes``, their tree proposals ``runtime.tree_drafting``."""
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
-from runtime.draft import Draft, DraftSteps, Forward, drive
+from runtime.draft import CatchesUp, Draft, DraftSteps, Forward, Narrows, Stepped, drive
+from runtime.draft_shapes import StaticLayout, TreeShape, pad_vocab, static_layout, tree_shape
 from runtime.kv_cache import KVCache
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
 from runtime.transformer import CausalLM
-from runtime.tree import compile_tree
+from runtime.tree_drafting import DraftRound, TreeDrafting
 from search_spaces.layer_plan import LayerPlan
-from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy, tree_node_bound
+from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy
+
+__all__ = [
+    "Draft", "ModelDrafter", "SelfDrafter", "StaticLayout", "TreeShape", "static_layout", "tree_shape",
+]
 
 
-@dataclass(frozen=True)
-class TreeShape:
-    """How many children each node gets.
-
-    ``widths[d]``: children per node at depth ``d`` (all of them expanded further); its length is
-    the maximum depth. ``dynamic``: SWIFT's dynamic verification table ``((p_max, k), ...)``; when
-    set, a node whose draft top-1 probability is ``<= p_max`` gets the top-``k`` candidates, and only
-    the top-1 child is drafted further (a chain with alternatives). ``threshold``: a node whose draft
-    top-1 probability is below it gets no children (confidence-aware early stop; depth >= 1)."""
-
-    widths: tuple[int, ...]
-    dynamic: tuple[tuple[float, int], ...] | None = None
-    threshold: float = 0.0
-
-    def children(self, depth: int, confidence: float) -> tuple[int, int]:
-        """-> (number of children, how many of them are expanded at the next depth)."""
-        if depth > 0 and confidence < self.threshold:
-            return 0, 0
-        if self.dynamic is not None:
-            k = next((k for p_max, k in self.dynamic if confidence <= p_max), self.dynamic[-1][1])
-            return k, 1
-        w = self.widths[depth]
-        return w, w
-
-    def max_nodes(self) -> int:
-        return tree_node_bound(self.widths, self.dynamic)
-
-    def narrowed(self, width: int | None) -> "TreeShape":
-        """This shape with at most ``width`` children per node (a batch under load drafts narrower
-        trees, ``autotune.tuning.load``); ``None``: itself."""
-        if width is None or max(self.widths, default=1) <= width:
-            return self
-        dynamic = None if self.dynamic is None else tuple((p, min(k, width)) for p, k in self.dynamic)
-        return replace(self, widths=tuple(min(w, width) for w in self.widths), dynamic=dynamic)
-
-    @property
-    def is_chain(self) -> bool:
-        """One node per depth (no widths above 1, no dynamic alternatives)."""
-        return self.dynamic is None and all(w == 1 for w in self.widths)
-
-
-def tree_shape(s: Strategy) -> TreeShape:
-    """The draft tree a strategy asks for (a chain: width 1 at every depth)."""
-    widths = s.tree_widths or (1,) * s.draft_length
-    return TreeShape(widths=widths, dynamic=s.dynamic_widths, threshold=s.confidence_threshold)
-
-
-@dataclass
-class _Round:
-    """Book-keeping of one drafted tree in the draft's cache."""
-
-    base: int = 0  # draft cache length before the tree's rows
-    slot: dict[int, int] = field(default_factory=dict)  # node -> row offset in the draft cache
-
-
-class ModelDrafter:
+class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows):
     """Drafts a chain or a token tree with a smaller model of the same family (own KV cache).
 
-    Each depth is one draft forward over all frontier nodes with a tree attention mask. The cache
+    Each depth is one draft forward over all frontier nodes with a tree attention mask
+    (``TreeDrafting``). It declares the optional capabilities ``Stepped``, ``CatchesUp`` and
+    ``Narrows`` (``runtime.draft``). The cache
     holds a prefix of the committed sequence plus this round's drafted rows; ``pending`` are
     committed tokens the draft has not seen yet.
 
@@ -113,7 +63,7 @@ class ModelDrafter:
         self.calibrate = calibrate and self.plan is not None
         self.cache = model.new_cache(1)  # a placeholder (a self-drafter's model is the target: never its live cache)
         self.pending: list[int] = []
-        self.round = _Round()
+        self.round = DraftRound()
         self.catch_up_width = 1  # compiled catch-up forwards are padded to this many rows (<= k + 1)
         # the tokens whose exact K/V fill the cache's leading rows: the next prompt's common
         # prefix with them is kept instead of prefilled again (few-shot prompts share theirs)
@@ -199,7 +149,7 @@ class ModelDrafter:
         """:meth:`propose` as steps: yields each draft-model forward it needs (``Forward``), is
         sent that forward's logits, returns the draft; a batch runs the forwards of several
         sequences' drafters in one (``runtime.batching``)."""
-        self.round = _Round()
+        self.round = DraftRound()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
         full, self.shape = self.shape, (self.shape.narrowed(self.width_cap) if self.shape else None)
@@ -302,116 +252,8 @@ class ModelDrafter:
                                     plan=self.plan)).float()[0]
             rnd.slot[depth] = depth
         self.cache.rollback(rnd.base + len(rnd.slot))  # kept copy rows past a threshold stop
-        q_all = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
+        q_all = None if params.greedy else pad_vocab(torch.stack(qs), self.target_vocab)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q_all, None)
-
-    def _propose_static(
-        self, widths: tuple[int, ...], logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-    ) -> DraftSteps:
-        """A chain or a fixed-width tree: every depth is one forward over the whole frontier, its
-        tokens picked on the device (top-k or sampled); nothing is read back. Node ``i`` of the
-        tree's breadth-first order sits at draft-cache row ``base + i``."""
-        layout = static_layout(widths, self.model.device)
-        tokens: list[torch.Tensor] = []
-        qs: list[torch.Tensor] = []
-        for depth, w in enumerate(widths):
-            if params.greedy:
-                picked = torch.topk(logits, w, dim=-1).indices.reshape(-1)  # [F * w], row-major
-            else:
-                q = logits_to_probs(logits, params)  # [F, Vd]
-                picked = torch.multinomial(q, w, replacement=True, generator=gen).reshape(-1)
-                qs.append(q.repeat_interleave(w, dim=0))
-            tokens.append(picked)
-            if depth + 1 == len(widths):
-                break
-            logits = yield from self.draft_depth(picked, depth, layout)
-        q = None if params.greedy else _pad_vocab(torch.cat(qs), self.target_vocab)
-        return Draft(torch.cat(tokens), q, layout.parents)
-
-    def draft_depth(
-        self, frontier: torch.Tensor, depth: int, layout: "StaticLayout"
-    ) -> Generator[Forward, torch.Tensor, torch.Tensor]:
-        """One draft step of a static shape: the frontier's tokens ``[F]`` (device) at tree depth
-        ``depth + 1`` through the draft under its plan -> their logits ``[F, Vd]``. A chain's step
-        is the causal default; a tree's frontier sees the prefix, its ancestors and itself."""
-        rnd = self.round
-        offset = self.cache.length - rnd.base  # the frontier's first node index = its row offset
-        pos = None if layout.chain else torch.full_like(frontier, rnd.base + depth)
-        rel = None if layout.chain else layout.frontier_masks[depth]
-        logits = (yield Forward(self.model, frontier, self.cache, positions=pos, rel_mask=rel, plan=self.plan)).float()
-        for r in range(frontier.shape[0]):
-            rnd.slot[offset + r] = offset + r
-        return logits
-
-    def _propose_adaptive(
-        self, shape: TreeShape, depth_max: int, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-    ) -> DraftSteps:
-        """Confidence-aware shapes (a threshold, SWIFT's dynamic widths): how many children a node
-        gets depends on its top-1 probability, one host read per depth."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        qs: list[torch.Tensor] = []
-        frontier = [-1]  # nodes whose children are drafted from `logits` rows
-        for depth in range(depth_max):
-            expand = self._add_children(frontier, logits, depth, shape, params, generator, tokens, parents, qs)
-            if not expand or depth + 1 == depth_max:
-                break
-            logits = yield from self._forward_frontier(expand, tokens, parents)
-            frontier = expand
-        q = None if params.greedy else _pad_vocab(torch.stack(qs), self.target_vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q, tuple(parents))
-
-    def _add_children(
-        self, frontier: list[int], logits: torch.Tensor, depth: int, shape: TreeShape,
-        params: SamplingParams, gen: torch.Generator, tokens: list[int], parents: list[int], qs: list[torch.Tensor],
-    ) -> list[int]:
-        """Append the children of every frontier node; return the nodes to expand next."""
-        expand: list[int] = []
-        # top-1 probability per frontier row, only when the shape depends on it
-        needs_conf = shape.dynamic is not None or (depth > 0 and shape.threshold > 0)
-        conf = torch.softmax(logits, dim=-1).amax(dim=-1).tolist() if needs_conf else [1.0] * len(frontier)
-        for row, node in enumerate(frontier):
-            n_children, n_expand = shape.children(depth, conf[row])
-            if n_children == 0:
-                continue
-            if params.greedy:
-                picked = torch.topk(logits[row], n_children).indices.tolist()
-            else:
-                q = logits_to_probs(logits[row], params)
-                picked = torch.multinomial(q, n_children, replacement=True, generator=gen).tolist()
-                qs.extend([q] * n_children)
-            for j, tok in enumerate(picked):
-                if j < n_expand:
-                    expand.append(len(tokens))
-                tokens.append(tok)
-                parents.append(node)
-        return expand
-
-    def _forward_frontier(
-        self, nodes: list[int], tokens: list[int], parents: list[int]
-    ) -> Generator[Forward, torch.Tensor, torch.Tensor]:
-        """Run frontier nodes through the draft in one forward; each sees the prefix + ancestors."""
-        rnd = self.round
-        start = self.cache.length
-        depth_of = {n: _depth(n, parents) for n in nodes}
-        positions = torch.tensor([rnd.base - 1 + depth_of[n] for n in nodes], device=self.model.device)
-        chain = len(nodes) == 1 and len(rnd.slot) == depth_of[nodes[0]] - 1
-        rel = None  # a chain: causal
-        if not chain:  # the round's rows so far, then these: each sees its ancestors and itself
-            rel = torch.zeros(len(nodes), start - rnd.base + len(nodes), dtype=torch.bool)
-            for r, n in enumerate(nodes):
-                rel[r, start - rnd.base + r] = True
-                a = parents[n]
-                while a >= 0:
-                    rel[r, rnd.slot[a]] = True
-                    a = parents[a]
-            rel = rel.to(self.model.device)
-        for r, n in enumerate(nodes):
-            rnd.slot[n] = start - rnd.base + r
-        ids = torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self.model.device)
-        positions = None if chain else positions  # a chain's rows sit at slot == position: the causal default
-        logits = yield Forward(self.model, ids, self.cache, positions=positions, rel_mask=rel, plan=self.plan)
-        return logits.float()  # [F, Vd]
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         self.lookup.observe(n_accepted, new_tokens)
@@ -429,7 +271,7 @@ class ModelDrafter:
         self.cache.commit(rnd.base, kept)
         del self.exact_rows[self.cache.length:]
         self.pending = list(new_tokens[len(kept):])
-        self.round = _Round()  # a drafter kept on standby next round observes without drafting
+        self.round = DraftRound()  # a drafter kept on standby next round observes without drafting
 
 
 class SelfDrafter(ModelDrafter):
@@ -464,54 +306,7 @@ class SelfDrafter(ModelDrafter):
             self.cache.rollback(committed)
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
-        self.round = _Round()
+        self.round = DraftRound()
         self.pending = [new_tokens[-1]]
 
 
-@dataclass(frozen=True)
-class StaticLayout:
-    """A fixed-width draft tree in breadth-first order: its parents and, per drafted depth, the
-    mask block of that depth's frontier over the round's rows so far (``[F, R]``, device)."""
-
-    parents: tuple[int, ...]
-    frontier_masks: tuple[torch.Tensor, ...]
-    chain: bool
-
-
-@lru_cache(maxsize=64)
-def _static_layout(widths: tuple[int, ...], device: str) -> StaticLayout:
-    parents: list[int] = []
-    level = [-1]
-    starts = []
-    for w in widths:
-        starts.append(len(parents))
-        nxt = []
-        for node in level:
-            for _ in range(w):
-                nxt.append(len(parents))
-                parents.append(node)
-        level = nxt
-    tree = compile_tree(tuple(parents))
-    seen = tree.mask[1:, 1:]  # [N, N] node -> itself and its ancestors
-    masks = []
-    for d in range(len(widths) - 1):  # depth d's nodes run to draft depth d + 1
-        lo, hi = starts[d], starts[d + 1]
-        masks.append(seen[lo:hi, :hi].to(device))
-    return StaticLayout(tuple(parents), tuple(masks), all(w == 1 for w in widths))
-
-
-def static_layout(widths: tuple[int, ...], device: torch.device | str) -> StaticLayout:
-    return _static_layout(tuple(widths), str(device))
-
-
-def _depth(node: int, parents: list[int]) -> int:
-    d = 0
-    while node >= 0:
-        node = parents[node]
-        d += 1
-    return d
-
-
-def _pad_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A restricted draft head gives q over ids [0, n); tokens beyond have q = 0."""
-    return q if q.shape[-1] == vocab else F.pad(q, (0, vocab - q.shape[-1]))

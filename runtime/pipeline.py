@@ -1,4 +1,5 @@
-"""Build decoders from a Strategy: load (and cache) models, wrap them, pick the drafter."""
+"""Build decoders from a Strategy: load (and cache) models, wrap them, build the drafter of its
+kind (this module attaches each built-in kind's ``build`` part, ``search_spaces.kinds``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -8,7 +9,8 @@ import torch
 
 from runtime.decoding import Decoder
 from runtime.draft import Drafter
-from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
+from runtime.draft_shapes import tree_shape
+from runtime.drafters import ModelDrafter, SelfDrafter
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
@@ -18,6 +20,7 @@ from runtime.loading import (
 from runtime.lookup import PromptLookupDrafter
 from runtime.precision import PRECISIONS, draft_precision
 from runtime.transformer import CausalLM
+from search_spaces.kinds import DRAFT_MODEL, LAYER_SKIP, NONE, PROMPT_LOOKUP, attach, kind_of
 from search_spaces.strategy import Strategy
 
 
@@ -157,12 +160,18 @@ def _lookup_drafter(
     return PromptLookupDrafter()
 
 
-DRAFTERS: dict[str, DrafterFactory] = {
-    "none": _no_drafter,
-    "draft-model": _model_drafter,
-    "layer-skip": _self_drafter,
-    "prompt-lookup": _lookup_drafter,
-}
+attach(NONE, build=_no_drafter)
+attach(DRAFT_MODEL, build=_model_drafter)
+attach(LAYER_SKIP, build=_self_drafter)
+attach(PROMPT_LOOKUP, build=_lookup_drafter)
+
+
+def build_drafter(
+    pool: ModelPool, target: LoadedModel, draft_name: str | None, s: Strategy, lm: CausalLM
+) -> Drafter | None:
+    """The drafter of ``s``'s kind (None for plain decoding), by the kind's ``build`` part."""
+    factory: DrafterFactory = kind_of(s.drafter).part("build")
+    return factory(pool, target, draft_name, s, lm)
 
 
 def build_decoder(
@@ -174,7 +183,7 @@ def build_decoder(
     strategies of other drafter kinds whose drafters the decoder keeps following the sequence,
     so that ``Decoder.apply`` can switch to them while decoding (the online tuner's joint space)."""
     lm = pool.served(target)
-    drafter = DRAFTERS[strategy.drafter](pool, target, draft_name, strategy, lm)
+    drafter = build_drafter(pool, target, draft_name, strategy, lm)
     if drafter is None and not standby:  # plain decoding: single-token steps on the unpacked weights
         return Decoder(_compiled(lm, pool))
     nodes = max(s.max_tree_nodes for s in (strategy, *standby) if s.speculates)  # plain decoding drafts none
@@ -183,9 +192,9 @@ def build_decoder(
         raise RuntimeUserError(f"verify width {width} is too small for a strategy with {nodes} draft nodes")
     # drafters run on the unpacked wrapper (a self-drafter's single-row steps; it shares the cache)
     first = strategy if drafter is not None else next(s for s in standby if s.speculates)
-    active = drafter if drafter is not None else DRAFTERS[first.drafter](pool, target, draft_name, first, lm)
+    active = drafter if drafter is not None else build_drafter(pool, target, draft_name, first, lm)
     waiting = {s.drafter: s for s in standby if s.speculates and s.drafter != first.drafter}
-    others = {kind: DRAFTERS[kind](pool, target, draft_name, s, lm) for kind, s in waiting.items()}
+    others = {kind: build_drafter(pool, target, draft_name, s, lm) for kind, s in waiting.items()}
     backend = verify_packing(lm, pool.device, pool.compile)
     packed = backend is not None
     if packed:

@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from search_spaces.errors import StrategyError
+from search_spaces.kinds import DRAFT_MODEL, NONE, kind_of, kinds_with
 from search_spaces.layer_plan import LayerPlan
 
 SCHEMA_VERSION = 1
 
-DRAFTER_KINDS = ("none", "draft-model", "layer-skip", "prompt-lookup")
 DRAFT_PRECISIONS = ("auto", "float32", "bfloat16", "int8", "int4", "w8a8", "gguf")
 MAX_DRAFT_LENGTH = 64
 MAX_TREE_NODES = 256
@@ -29,7 +29,7 @@ SWIFT_DYNAMIC_WIDTHS: tuple[tuple[float, int], ...] = ((0.5, 10), (0.8, 5), (0.9
 class Strategy:
     """How to decode.
 
-    - ``drafter``: ``none`` (plain decoding), ``draft-model`` (a smaller model of the family),
+    - ``drafter``: a registered kind (``search_spaces.kinds``): ``none`` (plain decoding), ``draft-model`` (a smaller model of the family),
       ``layer-skip`` (the target itself with ``layer_plan`` skipping layers: SWIFT
       self-speculation) or ``prompt-lookup`` (copy the continuation of the latest matching n-gram
       of the context).
@@ -62,7 +62,7 @@ class Strategy:
       0.98: identifiers often have large ids) than the smaller head saves, hence full by default.
     """
 
-    drafter: str = "draft-model"
+    drafter: str = DRAFT_MODEL
     draft_length: int = 10
     draft_precision: str = "auto"
     draft_vocab: int | None = None
@@ -75,7 +75,7 @@ class Strategy:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _check_choice("drafter", self.drafter, DRAFTER_KINDS)
+        kind_of(self.drafter)  # a registered kind (search_spaces.kinds)
         _check_choice("draft_precision", self.draft_precision, DRAFT_PRECISIONS)
         _check_int("draft_length", self.draft_length, 1, MAX_DRAFT_LENGTH)
         if self.draft_vocab is not None:
@@ -114,19 +114,22 @@ class Strategy:
             raise StrategyError(f"calibrate={self.calibrate!r} must be true or false")
         if not isinstance(self.lookup_first, bool):
             raise StrategyError(f"lookup_first={self.lookup_first!r} must be true or false")
-        if self.lookup_first and self.drafter != "draft-model":
-            raise StrategyError(f"lookup_first is only used by drafter draft-model, not '{self.drafter}'")
+        kind = kind_of(self.drafter)
+        if self.lookup_first and not kind.copies_first:
+            users = " and ".join(k.name for k in kinds_with(lambda k: k.copies_first))
+            raise StrategyError(f"lookup_first is only used by drafter {users}, not '{self.drafter}'")
         plan = self.layer_plan
         if plan is not None and not isinstance(plan, LayerPlan):
             raise StrategyError(f"layer_plan={plan!r} must be a layer plan object")
-        if self.drafter == "layer-skip":
+        if kind.layer_plan == "skips":
             if plan is None or not (plan.skip_attn or plan.skip_mlp):
                 raise StrategyError(
-                    "layer_plan: drafter 'layer-skip' needs a plan that skips at least one sub-layer "
+                    f"layer_plan: drafter '{self.drafter}' needs a plan that skips at least one sub-layer "
                     "(e.g. --skip-ratio 0.45)"
                 )
-        elif plan is not None and self.drafter != "draft-model":
-            raise StrategyError(f"layer_plan is only used by drafters draft-model and layer-skip, not '{self.drafter}'")
+        elif plan is not None and kind.layer_plan == "never":
+            users = " and ".join(k.name for k in kinds_with(lambda k: k.layer_plan != "never"))
+            raise StrategyError(f"layer_plan is only used by drafters {users}, not '{self.drafter}'")
 
     @property
     def max_tree_nodes(self) -> int:
@@ -135,7 +138,7 @@ class Strategy:
 
     @property
     def speculates(self) -> bool:
-        return self.drafter != "none"
+        return kind_of(self.drafter).speculates
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -220,4 +223,4 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
         raise StrategyError(f"{name}={value!r} is out of range; allowed integers {lo}..{hi}")
 
 
-PLAIN = Strategy(drafter="none")  # plain decoding: a point of every search space
+PLAIN = Strategy(drafter=NONE)  # plain decoding: a point of every search space

@@ -10,6 +10,7 @@ from autotune.tuning.scoring import Window
 from autotune.tuning.tuner import OnlineTuner
 from runtime.decoding import Decoder
 from search_spaces.errors import SpaceError
+from search_spaces.kinds import PROMPT_LOOKUP, kinds_with
 from search_spaces.spaces import SearchSpace, SpaceContext
 from search_spaces.strategy import Strategy
 
@@ -40,12 +41,12 @@ def runner_ups(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext) -> lis
             by_kind.setdefault(s.drafter, (s, float(t.value)))
         elif same_kind is None:
             same_kind = (s, float(t.value))
-    lookup = by_kind.get("prompt-lookup")
-    if lookup is None and best.drafter != "prompt-lookup" and "prompt-lookup" in space.kinds(ctx):
-        lookup = (Strategy(drafter="prompt-lookup", draft_length=ctx.max_draft_length), 0.0)  # never asked
+    lookup = by_kind.get(PROMPT_LOOKUP)
+    if lookup is None and best.drafter != PROMPT_LOOKUP and PROMPT_LOOKUP in space.kinds(ctx):
+        lookup = (Strategy(drafter=PROMPT_LOOKUP, draft_length=ctx.max_draft_length), 0.0)  # never asked
     if lookup is not None:  # its whole grid priced over every tuned output: token work, no forward
-        by_kind["prompt-lookup"] = best_lookup(tuner, space, ctx, lookup)
-    for kind in ("draft-model", "layer-skip"):  # a drafting model the allowance never afforded to score
+        by_kind[PROMPT_LOOKUP] = best_lookup(tuner, space, ctx, lookup)
+    for kind in [k.name for k in kinds_with(lambda k: k.model_drafts)]:  # a drafting model never afforded
         if kind in space.kinds(ctx) and kind not in by_kind and best.drafter != kind:
             seed = next((s for s in space.seeds(ctx) if s.drafter == kind), None)
             if seed is not None:

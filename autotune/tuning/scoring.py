@@ -4,8 +4,8 @@ A candidate is scored on the latest window scored (``window`` generated tokens; 
 cached until the next window, across prompts for the plans scored there): the matchness of its
 drafting model's plan there in one forward (a drafter on standby scores its all-layer plan with
 its catch-up forward), or a replay of prompt lookup on the tokens, turned into time by the
-measured cost model (``autotune.tuning.objective``). ``SCORERS`` says how each drafter kind is
-scored; the tuner multiplies the prediction by the strategy's correction (``Race.correction``).
+measured cost model (``autotune.tuning.objective``). Each drafter kind's ``score`` part (attached
+here to the registry, ``search_spaces.kinds``) says how it is scored; the tuner multiplies the prediction by the strategy's correction (``Race.correction``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from autotune.tuning.matchness import LookupMatch, Match, lookup_match, matchnes
 from autotune.tuning.objective import Prediction, predict, predict_lookup, predict_lookup_first, predict_plain
 from runtime.decoding import Decoder
 from runtime.drafters import ModelDrafter
+from search_spaces.kinds import DRAFT_MODEL, LAYER_SKIP, NONE, PROMPT_LOOKUP, attach, kind_of
 from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy
 
 LOOKUP_FIRST_KEY = ("lookup-first", None)  # window cache: the n-gram replay of `lookup_first` drafts
@@ -63,7 +64,8 @@ class Window:
         drafter cannot score there."""
         if self._cache_for != tokens:  # another window (or sequence): nothing of it scored yet
             self.cache, self._cache_for = {}, list(tokens)
-        return SCORERS[strategy.drafter](self, decoder, strategy, tokens)
+        scorer: Scorer = kind_of(strategy.drafter).part("score")
+        return scorer(self, decoder, strategy, tokens)
 
 
 Scorer = Callable[[Window, Decoder, Strategy, list[int]], "tuple[Prediction, float] | None"]
@@ -114,7 +116,7 @@ def _score_model(win: Window, decoder: Decoder, strategy: Strategy, tokens: list
 
 
 def _score_lookup(win: Window, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> tuple[Prediction, float]:
-    key = ("prompt-lookup", None)
+    key = (PROMPT_LOOKUP, None)
     match = win.cache.get(key)
     if match is None:
         match = win.cache[key] = lookup_match(tokens, win.size, win.horizon)
@@ -122,10 +124,8 @@ def _score_lookup(win: Window, decoder: Decoder, strategy: Strategy, tokens: lis
     return predict_lookup(strategy, match, win.cost, win.horizon), match.rate
 
 
-# drafter kind -> how a strategy of that kind is scored on the current window
-SCORERS: dict[str, Scorer] = {
-    "none": _score_plain,
-    "draft-model": _score_model,
-    "layer-skip": _score_model,
-    "prompt-lookup": _score_lookup,
-}
+# how a strategy of each kind is scored on the current window
+attach(NONE, score=_score_plain)
+attach(DRAFT_MODEL, score=_score_model)
+attach(LAYER_SKIP, score=_score_model)
+attach(PROMPT_LOOKUP, score=_score_lookup)
