@@ -58,7 +58,9 @@ def _counters() -> dict[str, int]:
             "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
 
 
-def build(args: argparse.Namespace, tmp: Path):
+def build(args: argparse.Namespace, tmp: Path, hooks):
+    from dataclasses import replace
+
     from transformers import AutoTokenizer
 
     from autotune.serving.server import ServeConfig, build_server
@@ -81,7 +83,8 @@ def build(args: argparse.Namespace, tmp: Path):
     server = build_server(ServeConfig(model=args.model, draft=None if args.plain_only else args.model, dtype=args.dtype, device=args.device,
                                       compile=args.compile, storage=url, max_batch=4, max_context=512,
                                       max_batch_rows=args.max_batch_rows, request_control=not args.no_control),
-                          storage, pool=pool)
+                          storage, pool=pool, hooks=hooks,
+                          adjust=lambda config: replace(config, load_aware=False))  # each drafts its own length
     return server, storage, ids, time.perf_counter() - started
 
 
@@ -116,6 +119,7 @@ def main() -> None:
     import uvicorn
 
     from autotune.serving.server import make_app
+    from autotune.serving.worker_config import Hooks
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     report: dict = {"model": args.model, "device": args.device, "dtype": args.dtype, "compile": args.compile,
@@ -123,23 +127,23 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None}
     tmp = Path(tempfile.mkdtemp())
     print(f"building the server ({'compiled' if args.compile else 'eager'})", flush=True)
-    server, storage, ids, startup_s = build(args, tmp)
-    worker = server.worker
-    report["startup_s"] = round(startup_s, 1)
-    report["slots"] = None if worker.slots is None else {"n": worker.slots.n_slots,
-                                                          "mib_per_slot": worker.slots.bytes_per_slot / 2**20}
-    report["step_profile_ms"] = [(r, s, round(t * 1e3, 2)) for r, s, t in worker.step_cost.profile]
-    print(json.dumps(report), flush=True)
     steps: list[tuple[int, int, float]] = []  # (sequences, rows, seconds since the last step ended)
-    observe, last = worker.on_step, [time.perf_counter()]
+    last = [time.perf_counter()]
 
     def on_step(batch):
         now = time.perf_counter()
         steps.append((len(batch), sum(r.member.decoder.last_rows for r in batch), now - last[0]))
         last[0] = now
-        observe(batch)
 
-    worker.on_step = on_step
+    gate = threading.Event()
+    gate.set()
+    server, storage, ids, startup_s = build(args, tmp, Hooks(on_step=on_step, fault=lambda job: gate.wait(60)))
+    worker = server.worker
+    slots = worker.decoders.slots
+    report["startup_s"] = round(startup_s, 1)
+    report["slots"] = None if slots is None else {"n": slots.n_slots, "mib_per_slot": slots.bytes_per_slot / 2**20}
+    report["step_profile_ms"] = [(r, s, round(t * 1e3, 2)) for r, s, t in worker.figures.step_cost.profile]
+    print(json.dumps(report), flush=True)
     uv = uvicorn.Server(uvicorn.Config(make_app(server, 3600.0), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
@@ -148,26 +152,23 @@ def main() -> None:
     url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
     names = ["plain"] * 4 if args.plain_only else ["plain", "chain", "tree", "lookup"]
     jobs = list(zip(PROMPTS, [ids.get(n, "plain") for n in names]))
-    worker.load_aware = False  # every request drafts at its strategy's own length
     before = _counters()
     print("requests alone", flush=True)
     alone = [chat(url, args.model, text, s, args.tokens) for text, s in jobs]
     alone_s = sum(a["_seconds"] for a in alone)
-    gate = threading.Event()
-    worker.fault = lambda job: gate.wait(60)
+    gate.clear()
     print("requests together", flush=True)
     started = time.perf_counter()
     with cf.ThreadPoolExecutor(len(jobs)) as ex:
         futures = [ex.submit(chat, url, args.model, text, s, args.tokens) for text, s in jobs]
         deadline = time.monotonic() + 60
-        while worker.jobs.qsize() < len(jobs) - 1 and time.monotonic() < deadline:
+        while worker.requests.waiting < len(jobs) - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         steps.clear()
         last[0] = time.perf_counter()
         gate.set()
         together = [f.result() for f in futures]
     together_s = time.perf_counter() - started
-    worker.fault = None
     after = _counters()
     rows = []
     for name, a, b in zip(names, alone, together):

@@ -427,7 +427,7 @@ def retune(args: argparse.Namespace) -> None:
         adapter._start(health, "forced by tools/quantised_checks.py retune")
         job = adapter.retunes[args.route]
         cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(worker.target))
-        plain, own = worker.decoder(PLAIN), adapter._decoder()
+        plain, own = worker.decoders.decoder(PLAIN), adapter._decoder()
         print(f"re-tune of {args.route} (stored: {strategy.to_json()})")
         for p in load_prompts(args.task, None, args.limit, args.offset):
             ids = encode_prompt(Prompt(id=p.id, messages=(("user", routing_text(p)),)), worker.target.tokenizer)

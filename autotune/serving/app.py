@@ -31,7 +31,7 @@ from autotune.serving.protocol import (
 )
 from autotune.serving.routing.book import StrategyBook
 from autotune.serving.text import TextStream
-from autotune.serving.worker import Choice, Job, Outcome
+from autotune.serving.jobs import Choice, Job, Outcome
 from runtime.decoding import GenerationConfig, check_fits
 from runtime.errors import RuntimeUserError
 from runtime.sampling import SamplingParams
@@ -184,7 +184,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 when this server can serve; 503 with the reason in ``status`` while it drains
-        (SIGTERM), when its decode worker died, or after ``worker.FAILING_AFTER`` internal decode
+        (SIGTERM), when its decode worker died, or after ``worker_config.FAILING_AFTER`` internal decode
         failures in a row (``failing``; a success clears it). ``launcher`` answers "loading"."""
         condition = server.worker.condition()
         out: dict[str, Any] = {"status": condition or "ok", "model": server.name, "queue_depth": server.worker.depth,
@@ -193,7 +193,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             out["consecutive_failures"] = server.worker.failures
         out["tasks"] = server.book.tasks()  # the stored tasks requests are routed to
         # each route's live acceptance per strategy: what the load-aware draft lengths start from
-        out["acceptance"] = server.worker.acceptance.describe()
+        out["acceptance"] = server.worker.figures.acceptance.describe()
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
             out["routes"] = server.worker.adapter.describe()
         return JSONResponse(out, status_code=503 if condition else 200)
@@ -206,8 +206,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         server.metrics.queue_depth.set(server.worker.depth)
-        server.metrics.decoders.set(server.worker.n_decoders)  # what the worker holds
-        server.metrics.verify_widths.set(len(server.worker.widths))
+        server.metrics.decoders.set(len(server.worker.decoders))  # what the worker holds
+        server.metrics.verify_widths.set(len(server.worker.decoders.widths))
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")

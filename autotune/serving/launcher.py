@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from autotune.serving.protocol import ApiError
-from autotune.serving.worker import RETRY_AFTER_S
+from autotune.serving.jobs import RETRY_AFTER_S
 
 Message = dict[str, Any]
 log = logging.getLogger("autotune.serve")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autotune.errors import CliError
+from autotune.errors import SettingError
 
 API_KEY_ENV = "AUTOTUNE_API_KEY"  # the key when --api-key is not given (keeps it out of `ps` listings)
 
@@ -23,9 +23,9 @@ class Limits:
     def __post_init__(self) -> None:
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
                                              and self.api_key.strip() == self.api_key and self.api_key):
-            raise CliError("--api-key must be non-empty printable ASCII without surrounding spaces "
-                           "(it travels in an HTTP header)")
+            raise SettingError("--api-key must be non-empty printable ASCII without surrounding spaces "
+                               "(it travels in an HTTP header)")
         if self.max_body_bytes < 1:
-            raise CliError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+            raise SettingError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
         if not self.request_timeout_s > 0:
-            raise CliError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")
+            raise SettingError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s}")

@@ -87,7 +87,7 @@ class ServingMetrics:
         self.ttft.labels(route).observe(ttft_s)
 
     def observe_step(self, batch: list[Any]) -> None:
-        """After a decode step (``DecodeWorker.on_step``): its batch size, rows, and draft lengths."""
+        """After a decode step (``Hooks.on_step``): its batch size, rows, and draft lengths."""
         rows = 0
         for r in batch:
             n = r.member.decoder.last_rows

@@ -13,12 +13,14 @@ import asyncio
 import logging
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from autotune.errors import CliError
+from autotune.errors import SettingError
 from autotune.serving.limits import Limits
+from autotune.serving.worker_config import Hooks, WorkerConfig
 
 log = logging.getLogger("autotune.serve")
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
@@ -52,16 +54,16 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.grace_s < float("inf"):
-            raise CliError(f"--grace must be a number of seconds >= 0, got {self.grace_s}")
+            raise SettingError(f"--grace must be a number of seconds >= 0, got {self.grace_s}")
         if not 0 <= self.port <= 65535:
-            raise CliError(f"--port must be in 0..65535, got {self.port}")
+            raise SettingError(f"--port must be in 0..65535, got {self.port}")
         if self.max_queue < 1:
-            raise CliError(f"--max-queue must be at least 1, got {self.max_queue}")
+            raise SettingError(f"--max-queue must be at least 1, got {self.max_queue}")
         if self.max_batch is not None and self.max_batch < 1:
-            raise CliError(f"--max-batch must be at least 1, got {self.max_batch}")
+            raise SettingError(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_batch_rows is not None and self.max_batch_rows < (self.max_batch or 1):
-            raise CliError(f"--max-batch-rows must be at least --max-batch ({self.max_batch or 1}): every request "
-                           f"needs a row a step; got {self.max_batch_rows}")
+            raise SettingError(f"--max-batch-rows must be at least --max-batch ({self.max_batch or 1}): every "
+                               f"request needs a row a step; got {self.max_batch_rows}")
         if self.prefill_chunk is not None:  # the rule every request's GenerationConfig applies, at start-up
             from runtime.decoding import GenerationConfig
             from runtime.errors import RuntimeUserError
@@ -69,11 +71,11 @@ class ServeConfig:
             try:
                 GenerationConfig(prefill_chunk=self.prefill_chunk)
             except RuntimeUserError as exc:
-                raise CliError(f"--prefill-chunk: {exc}") from None
+                raise SettingError(f"--prefill-chunk: {exc}") from None
         if self.max_context is not None and self.max_context < 2:
-            raise CliError(f"--max-context must be at least 2 tokens, got {self.max_context}")
+            raise SettingError(f"--max-context must be at least 2 tokens, got {self.max_context}")
         if self.route_distance is not None and not 0.0 <= self.route_distance <= 1.0:
-            raise CliError(f"--route-distance must be in [0, 1] (cosine distance), got {self.route_distance}")
+            raise SettingError(f"--route-distance must be in [0, 1] (cosine distance), got {self.route_distance}")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -82,15 +84,19 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another --port") from None
+            raise SettingError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pass another --port") \
+                from None
 
 
-def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
+def build_server(cfg: ServeConfig, storage: Any, pool: Any = None, hooks: Hooks = Hooks(),
+                 adjust: Callable[[WorkerConfig], WorkerConfig] | None = None) -> Any:
     """Load the models (into ``pool`` when given) and the strategy store's routes -> a ready
-    ``Server`` (worker not started)."""
+    ``Server`` (worker not started). ``hooks`` are called beside the metrics' own; ``adjust``
+    changes the worker's config built from ``cfg`` (tests, tools)."""
     from autotune.serving.app import Server
     from autotune.serving.metrics import ServingMetrics
     from autotune.serving.routing.book import StrategyBook
+    from autotune.serving.startup import start_up
     from autotune.serving.worker import DecodeWorker
     from runtime.loading import check_vocab_compatible
     from runtime.pipeline import ModelPool
@@ -107,38 +113,42 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None) -> Any:
     element = target.hf_model.lm_head.weight.element_size()  # the caches' dtype is the model's (CausalLM.new_cache)
     max_batch = batch_size(cfg.max_batch, kv_bytes_per_slot(target.hf_model.config, context, element), context,
                            available_memory())
-    worker = DecodeWorker(pool, target, cfg.draft, cfg.max_queue, on_done=lambda job, out: metrics.observe(
-        job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance),
-        max_batch=max_batch, on_step=metrics.observe_step, max_batch_rows=cfg.max_batch_rows)
-    worker.on_control = metrics.observe_control
-    worker.on_prefill_chunk = metrics.prefill_chunks.inc
-    if not cfg.request_control:
-        worker.control = None
-    worker.share_width(book.strategies() + worker.control_strategies())
-    if cfg.adaptive is not None:
+    config = WorkerConfig(max_queue=cfg.max_queue, max_batch=max_batch, max_batch_rows=cfg.max_batch_rows,
+                          **({} if cfg.request_control else {"control": None}))
+    adapt = None
+    if cfg.adaptive is not None:  # drift detection and re-tuning, on what it may use of the worker
         from autotune.serving.adaptive.adaptive import Adapter
 
-        worker.adapter = Adapter(cfg.adaptive, pool, target, cfg.draft, cfg.device, storage, book, metrics, worker)
-        worker.verify_width = max(worker.verify_width, worker.adapter.width)  # one packed target for all
-    for strategy in book.strategies():  # build (and load the draft for) every routed strategy now
-        worker.servable(strategy)  # one it cannot run is logged and decodes plainly, not a failed start
-    worker.freeze_width()  # one packed target from now on
-    worker.prepare_control(book.strategies())  # the controllers' cost models, timed now rather than in a request
-    book.use_fallback(worker.unknown_start(book.default))  # plain, or the default draft where it pays here
-    if worker.adapter is not None:
-        worker.adapter.prepare()  # the re-tunes' cost model too
-    # decode a dummy prompt with every routed strategy while /health says loading: first-call costs
-    # (the prefill's bf16 weight copies, dequantised from the GGUF file; compiled steps under --compile)
-    # are paid now, not by the first requests (on the 1.5B at int4 the first request ran 0.11x plain)
-    slot_bytes = worker.use_slots(context)  # serve --compile with batching: batched steps over K/V slots
-    log.info("first decodes%s done in %.1f s", " (compiled steps)" if cfg.compile else "",
-             worker.warm_up(book.strategies()))
-    if slot_bytes:
-        log.info("%d K/V slots of %.0f MiB; batched steps compiled per row bucket in %.1f s", worker.slots.n_slots,
-                 slot_bytes / 2**20, worker.compile_buckets())
-    if max_batch > 1:
-        worker.profile_steps()  # what a batched step costs on this machine (draft lengths shrink with load)
+        adapt = partial(Adapter, cfg.adaptive, pool, target, cfg.draft, cfg.device, storage, book, metrics)
+
+    worker = DecodeWorker(pool, target, cfg.draft, adjust(config) if adjust is not None else config,
+                          _metric_hooks(metrics, hooks), adapt)
+    # every routed strategy's decoder, the controllers' cost models, then first decodes (the prefill's
+    # bf16 weight copies; compiled steps under --compile) while /health says loading
+    started = start_up(worker, book.strategies(), book.default, context)
+    book.use_fallback(started.fallback)  # plain, or the default draft where it pays here
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context, prefill_chunk=cfg.prefill_chunk)
+
+
+def _metric_hooks(metrics: Any, extra: Hooks) -> Hooks:
+    """The metrics' hooks, each followed by ``extra``'s where it has one."""
+    def done(job: Any, out: Any) -> None:
+        metrics.observe(job.choice.route, out.stats, out.finish_reason, out.latency_s, out.ttft_s, job.choice.distance)
+
+    return Hooks(on_done=_both(done, extra.on_done), on_step=_both(metrics.observe_step, extra.on_step),
+                 on_control=_both(metrics.observe_control, extra.on_control),
+                 on_prefill_chunk=_both(metrics.prefill_chunks.inc, extra.on_prefill_chunk), fault=extra.fault)
+
+
+def _both(first: Callable[..., Any], then: Callable[..., Any] | None) -> Callable[..., Any]:
+    if then is None:
+        return first
+
+    def call(*args: Any) -> None:
+        first(*args)
+        then(*args)
+
+    return call
 
 
 def kv_bytes_per_slot(config: Any, context: int, element_bytes: int = 4) -> int:
@@ -167,7 +177,7 @@ def batch_size(asked: int | None, slot_bytes: int, context: int, free: int | Non
     gib = 2**30
     if asked is not None:
         if free is not None and asked * slot_bytes > free:
-            raise CliError(
+            raise SettingError(
                 f"--max-batch {asked} x a {context}-token context needs {asked * slot_bytes / gib:.1f} GiB of KV cache "
                 f"({slot_bytes / gib:.2f} GiB per request) and {free / gib:.1f} GiB is free; lower --max-batch or "
                 "--max-context")

@@ -139,11 +139,12 @@ def test_a_routes_live_acceptance_weighs_its_requests_by_what_they_drafted():
 
 
 def test_a_sequence_starts_from_its_routes_live_acceptance_over_the_stored_one():
-    """``DecodeWorker._candidate``: the route's live figure for the strategy a sequence runs, once
+    """``planner.candidate``: the route's live figure for the strategy a sequence runs, once
     there is one; until then the stored strategy's acceptance."""
     from types import SimpleNamespace
 
-    from autotune.serving.worker import DecodeWorker
+    from autotune.serving.costs import CostFigures
+    from autotune.serving.planner import candidate
     from runtime.stats import DecodeStats
     from search_spaces.strategy import Strategy
 
@@ -151,11 +152,10 @@ def test_a_sequence_starts_from_its_routes_live_acceptance_over_the_stored_one()
     seq = SimpleNamespace(stats=DecodeStats(), prompt=[1] * 10, out=[], config=SimpleNamespace(max_new_tokens=64))
     job = SimpleNamespace(choice=SimpleNamespace(entry=SimpleNamespace(acceptance=0.16), route="xsum", state="stored"))
     r = SimpleNamespace(current=lookup, member=SimpleNamespace(seq=seq, decoder=None), job=job, drafter_synced=True)
-    worker = SimpleNamespace(acceptance=RouteAcceptance(), draft_costs={}, draft_token_s={}, catch_ups={},
-                             step_cost=_cpu_like())
-    assert DecodeWorker._candidate(worker, r).acceptance == pytest.approx(0.16)
-    worker.acceptance.observe("xsum", lookup, 30, 40)
-    assert DecodeWorker._candidate(worker, r).acceptance == pytest.approx(0.75)
+    figures = CostFigures(step_cost=_cpu_like(), acceptance=RouteAcceptance())
+    assert candidate(r, figures).acceptance == pytest.approx(0.16)
+    figures.acceptance.observe("xsum", lookup, 30, 40)
+    assert candidate(r, figures).acceptance == pytest.approx(0.75)
 
 
 def test_a_row_budget_caps_the_step():
@@ -306,12 +306,12 @@ def test_the_shared_price_choice_against_brute_force():
 
 
 def test_a_step_is_recorded_as_a_draft_models_phase_only_where_every_drafter_ran_its_chains():
-    """``DecodeWorker._observe_drafting``: two chains of one draft model's weights are a phase
+    """``CostFigures.observe_drafting``: two chains of one draft model's weights are a phase
     (depths: the longer chain); a prompt-lookup copy beside them (free, though its decoder holds the
     draft model on standby), a tree, or a second draft model's chain is not."""
     from types import SimpleNamespace
 
-    from autotune.serving.worker import DecodeWorker, draft_key
+    from autotune.serving.costs import CostFigures, draft_key
     from search_spaces.strategy import PLAIN, Strategy
 
     weights = SimpleNamespace(linears=object(), head=object())
@@ -324,12 +324,12 @@ def test_a_step_is_recorded_as_a_draft_models_phase_only_where_every_drafter_ran
 
     chain = Strategy(drafter="draft-model", draft_length=4)
     a, b = running(chain), running(chain)
-    worker = SimpleNamespace(draft_costs={})
-    DecodeWorker._observe_drafting(worker, [a, b, running(PLAIN)], [3, 2, 0], 0.05)
+    figures = CostFigures()
+    figures.observe_drafting([a, b, running(PLAIN)], [3, 2, 0], 0.05)
     key = draft_key(a.member.decoder)
-    assert list(worker.draft_costs) == [key] and list(worker.draft_costs[key].steps) == [(3, 5, 0.05)]
+    assert list(figures.draft_costs) == [key] and list(figures.draft_costs[key].steps) == [(3, 5, 0.05)]
     for mate in (running(Strategy(drafter="prompt-lookup", draft_length=4)),
                  running(Strategy(drafter="draft-model", draft_length=3, tree_widths=(2, 2, 1))),
                  running(chain, other)):
-        DecodeWorker._observe_drafting(worker, [a, mate], [3, 2], 0.05)
-    assert list(worker.draft_costs[key].steps) == [(3, 5, 0.05)] and len(worker.draft_costs) == 1
+        figures.observe_drafting([a, mate], [3, 2], 0.05)
+    assert list(figures.draft_costs[key].steps) == [(3, 5, 0.05)] and len(figures.draft_costs) == 1

@@ -67,7 +67,7 @@ def test_start_up_pays_the_first_call_costs(pool, store):
     url, _ = store
     with open_storage(url) as storage:
         server = build_server(ServeConfig(model=MODEL, storage=url, dtype="int4"), storage, pool=pool)
-        lm = server.worker.decoder(PLAIN).target  # the worker is not started: no request has run
+        lm = server.worker.decoders.decoder(PLAIN).target  # the worker is not started: no request has run
         assert lm.backend == "int4" and "linears" in lm._prefill
 
 
@@ -107,16 +107,20 @@ def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, sto
                 assert info["route"] == mode and info["strategy"] == "plain" and info["drafted"] == 0
 
 
-def test_routed_requests_are_controlled_and_stay_identical(live, pool, smollm):
+def test_routed_requests_are_controlled_and_stay_identical(pool, smollm, store):
     """Routed requests run under their own controller (decisions every 8 tokens here): the
     response says what it did, the metrics count it, and the tokens are plain decoding's; an
     explicit choice is decoded as asked, with no controller."""
+    from dataclasses import replace
+
     from autotune.tuning.controller import ControlSettings
 
-    worker = live.server.worker
-    before = _metric(live.url, "autotune:controlled_requests_total")
-    saved, worker.control = worker.control, ControlSettings(window=8)
-    try:
+    url, _ = store
+    storage = open_storage(url)
+    server = build_server(ServeConfig(model=MODEL, storage=url, max_queue=64), storage, pool=pool,
+                          adjust=lambda config: replace(config, control=ControlSettings(window=8)))
+    with LiveServer(server) as live:
+        before = _metric(live.url, "autotune:controlled_requests_total")
         client = live.client()
         for task, prior in (("gsm8k", "layer-skip-4"), ("humaneval", "lookup-6")):
             prompt = task_prompt(task, 16)
@@ -128,9 +132,8 @@ def test_routed_requests_are_controlled_and_stay_identical(live, pool, smollm):
             assert control["switches"] == len(control["path"]) and 0 <= control["scoring_s"]
             _, ids, info = chat(client, prompt.messages[0][1], "plain", max_tokens=48)
             assert ids == want[1] and "control" not in info
-    finally:
-        worker.control = saved
-    assert _metric(live.url, "autotune:controlled_requests_total") == before + 2
+        assert _metric(live.url, "autotune:controlled_requests_total") == before + 2
+    storage.close()
 
 
 def test_completions_endpoint_and_unknown_route(live, pool, smollm):

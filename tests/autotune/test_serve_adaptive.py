@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from autotune.errors import CliError
+from autotune.errors import SettingError
 from autotune.serving.adaptive.adaptive import PendingClusters, RouteHealth, judge, new_route_name, unique_name
 from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.server import ServeConfig, build_server
@@ -106,7 +106,7 @@ def test_new_route_names_never_overwrite_a_route():
                                           ("ewma", True), ("new_route_requests", 2.5),
                                           ("new_route_requests", 65), ("recheck_plain_requests", 0)])
 def test_settings_are_validated(field, value):
-    with pytest.raises(CliError, match=field):
+    with pytest.raises(SettingError, match=field):
         AdaptSettings(**{field: value})
 
 

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from autotune.errors import SettingError
 from autotune.serving.server import ServeConfig, batch_size, build_server, kv_bytes_per_slot
-from autotune.errors import CliError
+from autotune.serving.worker_config import Hooks
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key
 from autotune.store.storage import open_storage
@@ -25,54 +26,117 @@ STRATEGIES = {  # name -> (draft, strategy)
 }
 
 
+class Gate:
+    """The worker's fault hook: while shut, each admission waits (at most 30 s) until it opens."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+
+    def __call__(self, job) -> None:
+        self._open.wait(30)
+
+    def shut(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+class Steps:
+    """The worker's on_step hook: each batched step's size, and whether a long prompt's prefill
+    was under way then (``worker`` is the server's, set once it is built)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.prefilling: list[bool] = []
+        self.worker = None
+
+    def __call__(self, batch) -> None:
+        self.sizes.append(len(batch))
+        self.prefilling.append(self.worker.loop.prefilling is not None)
+
+
+class Live:
+    """A running server of the stored strategies, with its hooks."""
+
+    def __init__(self, pool, url: str, **adjusted) -> None:
+        from dataclasses import replace
+
+        self.storage = open_storage(url)
+        self.steps, self.gate = Steps(), Gate()
+        adjust = (lambda config: replace(config, **adjusted)) if adjusted else None
+        server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, max_batch=8), self.storage,
+                              pool=pool, hooks=Hooks(on_step=self.steps, fault=self.gate), adjust=adjust)
+        self.steps.worker = server.worker
+        self.running = LiveServer(server)
+
+    def __enter__(self) -> "Live":
+        self.running.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.running.__exit__(*exc)
+        self.storage.close()
+
+
 @pytest.fixture(scope="module")
-def live(pool, smollm, tmp_path_factory):
+def store(smollm, tmp_path_factory):
     url = f"sqlite:///{tmp_path_factory.mktemp('batch') / 'store.db'}"
-    storage = open_storage(url)
-    for name, (draft, strategy) in STRATEGIES.items():
-        storage.record(strategy_key(smollm, draft or None, name, "cpu"), strategy, ResultMetrics.from_throughput(10.0))
-    ids = {b.key.task: str(b.id) for b in storage.list_best()}
-    server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, max_batch=8), storage, pool=pool)
-    sizes: list[int] = []
-    observe = server.worker.on_step
-    server.worker.on_step = lambda batch: (sizes.append(len(batch)), observe(batch))
-    with LiveServer(server) as running:
-        yield running, ids, sizes
-    storage.close()
+    with open_storage(url) as storage:
+        for name, (draft, strategy) in STRATEGIES.items():
+            storage.record(strategy_key(smollm, draft or None, name, "cpu"), strategy,
+                           ResultMetrics.from_throughput(10.0))
+        ids = {b.key.task: str(b.id) for b in storage.list_best()}
+    return url, ids
 
 
-def _together(live, jobs):
+@pytest.fixture(scope="module")
+def served(pool, store):
+    """The server as served: load-aware draft lengths."""
+    with Live(pool, store[0]) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def fixed(pool, store):
+    """A server whose requests draft at their strategies' own lengths (no load-aware choice)."""
+    with Live(pool, store[0], load_aware=False) as live:
+        yield live
+
+
+@pytest.fixture
+def live(served, store):
+    return served.running, store[1], served.steps.sizes
+
+
+def _together(live: Live, jobs):
     """Send ``jobs`` (text, strategy) at once: the worker holds the first until all are queued."""
-    worker = live.server.worker
-    gate = threading.Event()
-    worker.fault = lambda job: gate.wait(30)
-    client = live.client()
+    worker = live.running.server.worker
+    live.gate.shut()
+    client = live.running.client()
     with cf.ThreadPoolExecutor(len(jobs)) as ex:
         futures = [ex.submit(chat, client, text, strategy, max_tokens=40) for text, strategy in jobs]
         deadline = time.monotonic() + 30
-        while worker.jobs.qsize() < len(jobs) - 1 and time.monotonic() < deadline:
+        while worker.requests.waiting < len(jobs) - 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        gate.set()
+        live.gate.open()
         results = [f.result() for f in futures]
-    worker.fault = None
     return results
 
 
 @pytest.mark.parametrize("load_aware", [False, True])
-def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(live, load_aware):
+def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(request, store, load_aware):
     """Plain, a chain, a tree and prompt lookup side by side. With the strategies' own lengths,
     every one drafts in the batch; with load-aware lengths, some may draft less or not at all. The
     answers are the same either way."""
-    running, ids, sizes = live
+    server = request.getfixturevalue("served" if load_aware else "fixed")
+    running, ids, sizes = server.running, store[1], server.steps.sizes
     texts = routing_texts("humaneval", 2, 20) + routing_texts("gsm8k", 2, 20)
     jobs = list(zip(texts, ["plain", ids["chain"], ids["tree"], ids["lookup"]]))
     alone = [chat(running.client(), text, strategy, max_tokens=40) for text, strategy in jobs]
     sizes.clear()
-    running.server.worker.load_aware = load_aware
-    try:
-        together = _together(running, jobs)
-    finally:
-        running.server.worker.load_aware = True
+    together = _together(server, jobs)
     assert max(sizes) == 4, sizes  # the four decoded side by side
     for (text, strategy), a, b in zip(jobs, alone, together):
         assert b[:2] == a[:2], strategy  # text and token ids
@@ -85,69 +149,58 @@ def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(
     assert metric(running.url, "autotune:batch_size_count") >= len(sizes)
 
 
-def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_drafting_there(live):
+def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_drafting_there(fixed, store):
     """At start-up the server times the draft model's depth forward for 1, 2, 4 and 8 sequences
     (``DraftCost``); batched steps where chains drafted refine it, each phase with fewer forwards
-    than drafts."""
-    running, ids, _ = live
-    worker = running.server.worker
-    from autotune.serving.worker import draft_key
+    than drafts (here at the strategies' own lengths)."""
+    ids = store[1]
+    worker = fixed.running.server.worker
+    from autotune.serving.costs import draft_key
 
     chain, tree = STRATEGIES["chain"][1], STRATEGIES["tree"][1]
-    key = draft_key(worker.decoder(chain))
-    assert key is not None and key == draft_key(worker.decoder(tree))  # one int8 copy of the draft drafts both
-    cost = worker.draft_costs[key]
+    key = draft_key(worker.decoders.decoder(chain))
+    assert key is not None and key == draft_key(worker.decoders.decoder(tree))  # one int8 copy of the draft drafts both
+    cost = worker.figures.draft_costs[key]
     assert cost.known and [m for _, m, _ in cost.profile] == [1, 2, 4, 8]
     assert 0 < cost.forward_s(1) <= cost.forward_s(8) < 8 * cost.forward_s(1)
     seen = list(cost.steps)
-    worker.load_aware = False
-    try:
-        _together(running, list(zip(routing_texts("humaneval", 2, 20), [ids["chain"]] * 2)))
-    finally:
-        worker.load_aware = True
+    _together(fixed, list(zip(routing_texts("humaneval", 2, 20), [ids["chain"]] * 2)))
     new = list(cost.steps)[len(seen):] if len(seen) < cost.steps.maxlen else list(cost.steps)
     assert any(drafts > depths for depths, drafts, _ in new), new  # two chains drafted in one phase
 
 
-def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(live):
+def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(pool, store):
     """Where a request ends, what it accepted of what it drafted becomes its route's live figure
     for its strategy (``RouteAcceptance``), the start of later sequences' acceptance estimates."""
-    from autotune.tuning.load import RouteAcceptance
-
     import httpx
 
-    running, ids, _ = live
-    worker = running.server.worker
-    kept, worker.acceptance = worker.acceptance, RouteAcceptance(min_drafts=1)
-    try:
+    ids = store[1]
+    with Live(pool, store[0], acceptance_min_drafts=1) as fresh:
+        running = fresh.running
         _, _, info = chat(running.client(), routing_texts("humaneval", 1, 30)[0], ids["chain"], max_tokens=40)
         figures_by_route = httpx.get(f"{running.url}/health").json()["acceptance"]  # what an operator reads
-    finally:
-        worker.acceptance = kept
     assert info["drafted"] > 0, info
     (route, figures), = figures_by_route.items()
     assert route == info["route"] and list(figures.values()) == [pytest.approx(info["accepted"] / info["drafted"], abs=1e-4)]
 
 
-def test_a_request_that_leaves_does_not_stop_its_batch_mates(live):
+def test_a_request_that_leaves_does_not_stop_its_batch_mates(served, store):
     """Three requests together, one of them with a budget of 4 tokens: it leaves after a few
     steps; the others go on and still equal their solo answers."""
-    running, ids, sizes = live
+    running, ids = served.running, store[1]
     texts = routing_texts("gsm8k", 3, 30)
     client = running.client()
     want = [chat(client, t, ids["lookup"], max_tokens=40)[:2] for t in texts[1:]]
     worker = running.server.worker
-    gate = threading.Event()
-    worker.fault = lambda job: gate.wait(30)
+    served.gate.shut()
     with cf.ThreadPoolExecutor(3) as ex:
         short = ex.submit(chat, client, texts[0], "plain", max_tokens=4)
         longer = [ex.submit(chat, client, t, ids["lookup"], max_tokens=40) for t in texts[1:]]
-        while worker.jobs.qsize() < 2:
+        while worker.requests.waiting < 2:
             time.sleep(0.02)
-        gate.set()
+        served.gate.open()
         assert len(short.result()[1]) == 4
         assert [f.result()[:2] for f in longer] == want
-    worker.fault = None
 
 
 def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round(live, monkeypatch):
@@ -175,38 +228,36 @@ def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round
     assert pending and pending[0] == 1, pending[:3]  # only the newest token was left for the first round
 
 
-def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(live):
+def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, store):
     """A prompt longer than the prefill chunk joins a running request: its chunks run one before
     each of the batch's steps (the running request is not held up for the whole prefill), and both
     answers equal their solo ones under the same chunking."""
-    running, ids, _ = live
+    running, ids = served.running, store[1]
     server, worker = running.server, running.server.worker
     short = "Count from one to fifty in words, separated by commas."  # one chunk, and 40 tokens of answer
     long = routing_texts("gsm8k", 1, 30)[0]  # some 500 tokens: 8 chunks
-    during: list[bool] = []
-    observe = worker.on_step
     server.prefill_chunk = 64
     client = running.client()
     try:
         want_short = chat(client, short, "plain", max_tokens=40)
         want_long = chat(client, long, ids["lookup"], max_tokens=8)
         chunks_before = metric(running.url, "autotune:prefill_chunks_total")
-        worker.on_step = lambda batch: (during.append(worker._prefilling is not None), observe(batch))
-        gate = threading.Event()
-        worker.fault = lambda job: gate.wait(30)
+        mark = len(served.steps.prefilling)
+        served.gate.shut()
         with cf.ThreadPoolExecutor(2) as ex:
             got_short = ex.submit(chat, client, short, "plain", max_tokens=40)
             deadline = time.monotonic() + 30
-            while worker._solo is None and time.monotonic() < deadline:  # the short one is being admitted
+            while worker.running == 0 and time.monotonic() < deadline:  # the short one is being admitted
                 time.sleep(0.02)
             got_long = ex.submit(chat, client, long, ids["lookup"], max_tokens=8)
-            while worker.jobs.qsize() < 1 and time.monotonic() < deadline:
+            while worker.requests.waiting < 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            gate.set()
+            served.gate.open()
             got = got_short.result(), got_long.result()
+        during = served.steps.prefilling[mark:]
     finally:
         server.prefill_chunk = None
-        worker.on_step, worker.fault = observe, None
+        served.gate.open()
     assert got[0][:2] == want_short[:2] and got[1][:2] == want_long[:2]
     chunks = metric(running.url, "autotune:prefill_chunks_total") - chunks_before
     assert chunks >= 3, chunks  # the long prompt took 4 chunks or more, 1 at admission and the rest between steps
@@ -218,7 +269,7 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(live):
 def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
     slot = kv_bytes_per_slot(smollm.hf_model.config, 8192)
     assert slot == 2 * 30 * 3 * 64 * 4 * 8192  # SmolLM2: 30 layers, 3 KV heads of 64
-    with pytest.raises(CliError, match="--max-batch 64 x a 8192-token context needs"):
+    with pytest.raises(SettingError, match="--max-batch 64 x a 8192-token context needs"):
         batch_size(64, slot, 8192, free=2 * 2**30)
     assert batch_size(None, slot, 8192, free=2 * 2**30) == 4  # 80% of 2 GiB / 360 MiB
     assert batch_size(None, slot, 8192, free=None) == 16

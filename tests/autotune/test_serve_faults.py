@@ -5,7 +5,7 @@
 fails a request that decoded: a store that raises "database is locked" or hangs delays nothing
 but its own write, which lands once the store is back. A re-tune that raises ends cleanly.
 
-Faults are injected the only ways a client cannot: the worker's fault hook (``DecodeWorker.fault``),
+Faults are injected the only ways a client cannot: the worker's fault hook (``Hooks.fault``),
 and the server's ``Storage`` object and the tuner, monkeypatched in this process.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from autotune.errors import StorageError
 from autotune.serving.adaptive.clusters import PendingClusters
 from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.server import ServeConfig, build_server
+from autotune.serving.worker_config import Hooks
 from autotune.store.storage import open_storage
 from autotune.tuning.tuner import OnlineTuner
 from tests.helpers import MODEL, LiveServer, chat, metric
@@ -44,9 +45,10 @@ class Killed(BaseException):
     """What no request handler catches: it ends the decode thread."""
 
 
-def _live(pool, url: str, **cfg):
+def _live(pool, url: str, hooks: Hooks = Hooks(), **cfg):
     storage = open_storage(url)
-    return storage, LiveServer(build_server(ServeConfig(model=MODEL, storage=url, **cfg), storage, pool=pool))
+    return storage, LiveServer(build_server(ServeConfig(model=MODEL, storage=url, **cfg), storage, pool=pool,
+                                            hooks=hooks))
 
 
 def _health(live: LiveServer) -> httpx.Response:
@@ -56,16 +58,15 @@ def _health(live: LiveServer) -> httpx.Response:
 
 # ---------------------------------------------------------------------- /health
 def test_health_is_503_after_failed_decodes_and_ok_again_after_a_success(pool, smollm, tmp_path):
-    storage, live = _live(pool, f"sqlite:///{tmp_path / 'store.db'}")
     failing = True
 
     def fault(job):
         if failing:
             raise RuntimeError("a decode that fails")
 
+    storage, live = _live(pool, f"sqlite:///{tmp_path / 'store.db'}", hooks=Hooks(fault=fault))
     with live:
         assert _health(live).status_code == 200
-        live.server.worker.fault = fault
         for n in range(1, 4):
             r = httpx.post(f"{live.url}/v1/chat/completions", json=HI, timeout=60)
             assert r.status_code == 500, r.text
@@ -81,16 +82,15 @@ def test_health_is_503_after_failed_decodes_and_ok_again_after_a_success(pool, s
 
 
 def test_a_killed_worker_makes_health_503_and_requests_503(pool, smollm, tmp_path):
-    storage, live = _live(pool, f"sqlite:///{tmp_path / 'store.db'}")
     release = threading.Event()
 
     def fault(job):
         release.wait(30)
         raise Killed()
 
+    storage, live = _live(pool, f"sqlite:///{tmp_path / 'store.db'}", hooks=Hooks(fault=fault))
     with live:
         url = f"{live.url}/v1/chat/completions"
-        live.server.worker.fault = fault
         with cf.ThreadPoolExecutor(2) as ex:
             running = ex.submit(httpx.post, url, json=HI, timeout=60)
             deadline = time.time() + 30

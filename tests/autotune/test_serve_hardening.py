@@ -168,7 +168,7 @@ def test_internal_errors_are_500_with_a_fixed_message(keyed, monkeypatch):
 
     body = {"model": MODEL, "messages": HI, "max_tokens": 2}
     for where, obj, name, code in [("a store lookup", keyed.server.book, "choose", "internal_error"),
-                                   ("the decode thread", keyed.server.worker, "decoder", "decode_failed")]:
+                                   ("the decode thread", keyed.server.worker.decoders, "decoder", "decode_failed")]:
         with monkeypatch.context() as m:
             m.setattr(obj, name, boom)
             r = _post(keyed, body)

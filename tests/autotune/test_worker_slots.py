@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autotune.serving.startup import compile_buckets, profile_steps, use_slots
 from autotune.serving.worker import DecodeWorker
+from autotune.serving.worker_config import WorkerConfig
 from runtime.compiled import NEW_STEPS
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
@@ -18,37 +20,39 @@ from search_spaces.strategy import PLAIN, Strategy
 
 def _worker(compile: bool, max_batch: int = 4) -> DecodeWorker:
     target = LoadedModel("tiny", "tiny", "0", tiny_model("llama", 3, layers=2), None)
-    return DecodeWorker(ModelPool(compile=compile), target, None, max_queue=4, max_batch=max_batch, max_batch_rows=16)
+    return DecodeWorker(ModelPool(compile=compile), target, None,
+                        WorkerConfig(max_queue=4, max_batch=max_batch, max_batch_rows=16))
 
 
 def test_a_compiled_worker_keeps_sequences_in_slots_and_compiles_each_row_bucket():
     worker = _worker(compile=True)
-    per_slot = worker.use_slots(64)
-    assert per_slot > 0 and worker.slots.n_slots == 5  # a slot per running request, one for a re-tune
+    decoders, step_cost = worker.decoders, lambda: worker.figures.step_cost
+    per_slot = use_slots(worker, 64)
+    assert per_slot > 0 and decoders.slots.n_slots == 5  # a slot per running request, one for a re-tune
     before = NEW_STEPS[0]
-    assert worker.compile_buckets() > 0
+    assert compile_buckets(worker) > 0
     assert NEW_STEPS[0] - before == 5  # row buckets 1, 2, 4, 8, 16: one graph each
-    assert worker.slots.free == worker.slots.n_slots  # the warm-up's slot was given back
-    lm, padded = worker.batch_target(), []
+    assert decoders.slots.free == decoders.slots.n_slots  # the warm-up's slot was given back
+    lm, padded = decoders.batch_target(), []
     forward_rows = lm.forward_rows
     lm.forward_rows = lambda tokens, *rest: (padded.append(tokens.shape[0]), forward_rows(tokens, *rest))[1]
-    worker.profile_steps()  # the step-cost profile times the compiled slot steps requests will run
+    profile_steps(worker)  # the step-cost profile times the compiled slot steps requests will run
     del lm.forward_rows
     assert NEW_STEPS[0] - before == 5  # ... with no graph of its own
-    assert sorted(set(padded)) == [1, 2, 4, 8, 16] and len(padded) == 2 * len(worker.step_cost.profile)
-    assert max(r for r, _, _ in worker.step_cost.profile) <= 16 and worker.slots.free == worker.slots.n_slots
-    dec = worker.acquire(PLAIN)
-    assert dec.target.slots is worker.slots
+    assert sorted(set(padded)) == [1, 2, 4, 8, 16] and len(padded) == 2 * len(step_cost().profile)
+    assert max(r for r, _, _ in step_cost().profile) <= 16 and decoders.slots.free == decoders.slots.n_slots
+    dec = decoders.acquire(PLAIN)
+    assert dec.target.slots is decoders.slots
     with torch.inference_mode():
         seq = dec.start([5, 6, 7], GenerationConfig(max_new_tokens=8))
-    assert isinstance(seq.cache, SlotView) and worker.slots.free == worker.slots.n_slots - 1
-    worker.release(PLAIN, dec)
-    assert worker.slots.free == worker.slots.n_slots
+    assert isinstance(seq.cache, SlotView) and decoders.slots.free == decoders.slots.n_slots - 1
+    decoders.release(PLAIN, dec)
+    assert decoders.slots.free == decoders.slots.n_slots
 
 
 def test_an_eager_or_unbatched_worker_keeps_its_own_caches():
-    assert _worker(compile=False).use_slots(64) == 0
-    assert _worker(compile=True, max_batch=1).use_slots(64) == 0
+    assert use_slots(_worker(compile=False), 64) == 0
+    assert use_slots(_worker(compile=True, max_batch=1), 64) == 0
 
 
 def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts():
@@ -57,7 +61,7 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
     per token is kept for the next request's choice."""
     from types import SimpleNamespace
 
-    from autotune.serving.worker import Running
+    from autotune.serving.jobs import Running
     from runtime.batching import Member
 
     calls = []
@@ -74,27 +78,27 @@ def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts
 
     worker = _worker(compile=False)
     r = Running(job=None, member=Member(Recording(), seq), strategy=chain)
-    worker._sync_drafters([r])
-    assert calls == [] and not r.drafter_synced and worker.catch_ups == {}
+    worker.loop.sync_drafters([r])
+    assert calls == [] and not r.drafter_synced and worker.figures.catch_ups == {}
     r.member.decoder.step_cap = 3
-    worker._sync_drafters([r])
-    worker._sync_drafters([r])
+    worker.loop.sync_drafters([r])
+    worker.loop.sync_drafters([r])
     assert calls == [seq] and r.drafter_synced
-    assert set(worker.catch_ups) == {chain.drafter}
-    assert worker.catch_ups[chain.drafter].predict(39) == pytest.approx(0.04)  # its one catch-up: 39 tokens, 0.04 s
+    assert set(worker.figures.catch_ups) == {chain.drafter}
+    assert worker.figures.catch_ups[chain.drafter].predict(39) == pytest.approx(0.04)  # its one catch-up: 39 tokens, 0.04 s
 
 
 @pytest.mark.slow
 def test_unknown_requests_start_on_a_draft_only_where_this_server_measured_it_paying(pool, smollm):
-    """``DecodeWorker.unknown_start`` (SmolLM2, float32, real timings): a chain of 10 that always
+    """``Control.unknown_start`` (SmolLM2, float32, real timings): a chain of 10 that always
     drafts its cap, drafted by SmolLM2 itself (about half a target step a token at int4), costs some
     six plain steps a round for the 2.49 tokens acceptance 0.6 expects, so unknown requests start
     plain; prompt lookup (no draft forward, a 5-row verify) pays, so it is kept."""
-    worker = DecodeWorker(pool, smollm, "smollm2-135m", max_queue=4, max_batch=2)
-    assert worker.unknown_start(Strategy(confidence_threshold=0.0)) == PLAIN
+    control = DecodeWorker(pool, smollm, "smollm2-135m", WorkerConfig(max_queue=4, max_batch=2)).control
+    assert control.unknown_start(Strategy(confidence_threshold=0.0)) == PLAIN
     lookup = Strategy(drafter="prompt-lookup", draft_length=4)
-    assert worker.unknown_start(lookup) == lookup
-    assert worker.unknown_start(PLAIN) == PLAIN
+    assert control.unknown_start(lookup) == lookup
+    assert control.unknown_start(PLAIN) == PLAIN
 
 
 def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs_replay(monkeypatch):
@@ -110,19 +114,19 @@ def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs
     cfg = GenerationConfig(max_new_tokens=12)
     lookup = Strategy(drafter="prompt-lookup", draft_length=3)
     eager = _worker(compile=False)
-    want = [eager.decoder(s).generate(prompt, cfg).tokens for s in (PLAIN, lookup)]
+    want = [eager.decoders.decoder(s).generate(prompt, cfg).tokens for s in (PLAIN, lookup)]
     monkeypatch.setattr(runtime.transformer, "cuda_graphs", lambda device: True)
     monkeypatch.setattr(runtime.step_runner, "cuda_graphs", lambda device: True)
     worker = _worker(compile=True)
-    worker.use_slots(64)
+    use_slots(worker, 64)
     padded: list[int] = []
     for strategy, tokens in zip((PLAIN, lookup), want):
-        dec = worker.acquire(strategy)
+        dec = worker.decoders.acquire(strategy)
         forward_rows = dec.target.forward_rows
         dec.target.forward_rows = lambda t, *rest, f=forward_rows: (padded.append(t.shape[0]), f(t, *rest))[1]
         with torch.inference_mode():
             got = dec.generate(prompt, cfg)
-        worker.release(strategy, dec)
+        worker.decoders.release(strategy, dec)
         assert got.tokens == tokens
     assert got.stats.drafted > 0
     assert padded and set(padded) <= {1, 2, 4, 8} and max(padded) >= 4  # lookup's verifies: 4 rows

@@ -61,7 +61,7 @@ Only auto-routed requests adapt: ``plain``, ``default`` and explicit ids are ser
 measured for no route. Everything here runs on the decode worker's thread but the store writes: a
 re-tune's result goes to a background writer (``writer.StoreWriter``, bounded retries), so a slow
 or locked store never stalls decoding nor fails a request that decoded; the request that completed
-the re-tune answers once the result is checked and stored (at most ``worker.HOLD_S``). A re-tune
+the re-tune answers once the result is checked and stored (at most ``jobs.HOLD_S``). A re-tune
 that raises is dropped: its route goes on with its stored strategy. ``/health`` reads
 ``describe()``, a snapshot the worker publishes after each request, never the live state.
 """
@@ -78,16 +78,15 @@ import optuna
 
 from autotune.serving.adaptive.clusters import NEW_ROUTE_PREFIX, PendingClusters, new_route_name, unique_name
 from autotune.serving.adaptive.health import RouteHealth, judge
-from autotune.serving.adaptive.retune import Retune, timed
+from autotune.serving.adaptive.results import Destination, check, result_write
+from autotune.serving.adaptive.retune import Retune
 from autotune.serving.adaptive.settings import AdaptSettings
-from autotune.serving.adaptive.writer import StoreWriter, Write
+from autotune.serving.adaptive.source import DecoderSource
+from autotune.serving.adaptive.writer import StoreWriter
+from autotune.serving.jobs import EXPLICIT_ROUTES
 from autotune.serving.routing.book import GENERAL_TASK
 from autotune.serving.routing.router import UNKNOWN
 from autotune.serving.routing.terms import as_terms
-from autotune.serving.worker import EXPLICIT_ROUTES
-from autotune.store.records import ResultMetrics
-from autotune.store.resolve import strategy_key
-from autotune.store.storage import KeyTaken
 from autotune.tuning.controller import controller_cost
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
@@ -103,16 +102,34 @@ log = logging.getLogger("autotune.serve")
 __all__ = ["Adapter", "PendingClusters", "Retune", "RouteHealth", "judge", "new_route_name", "unique_name"]
 
 
+def _after_decode(work: Callable[[], None]) -> None:
+    """Bookkeeping after a request decoded: a failure here must not fail that request."""
+    try:
+        work()
+    except Exception:
+        log.exception("adaptive serving's bookkeeping failed after a successful decode; the route "
+                      "keeps its stored strategy")
+
+
+def _in_space(space: Any, ctx: Any, strategy: Strategy) -> bool:
+    try:
+        space.encode(strategy, ctx)
+    except SpaceError:
+        return False
+    return True
+
+
 class Adapter:
     """Per-route health, re-tunes and new routes of one server (decode worker thread only)."""
 
     def __init__(self, settings: AdaptSettings, pool: Any, target: Any, draft: str | None, device: str,
-                 storage: Any, book: Any, metrics: Any, worker: Any) -> None:
+                 storage: Any, book: Any, metrics: Any, decoders: DecoderSource) -> None:
         from autotune.tuning.study import space_context, standby_strategies, verify_width
         from search_spaces.spaces import get_space
 
-        self.settings, self.pool, self.target, self.draft, self.device = settings, pool, target, draft, device
-        self.storage, self.book, self.metrics, self.worker = storage, book, metrics, worker
+        self.settings, self.pool, self.target, self.draft = settings, pool, target, draft
+        self.book, self.metrics, self.decoders = book, metrics, decoders
+        self.destination = Destination(storage, book, target, draft, device)  # where results are stored
         self.space = get_space(settings.space)
         draft_model = pool.get(draft, "float32") if draft else None
         self.ctx = space_context(self.space, target, draft_model, 0.45)
@@ -165,7 +182,7 @@ class Adapter:
             self._drop(retune, "failed")
             self._publish()
             raise
-        self._after_decode(lambda: self._after_retune_request(retune, job))
+        _after_decode(lambda: self._after_retune_request(retune, job))
         self._publish()
         return result
 
@@ -174,7 +191,7 @@ class Adapter:
         if job.adapt is not None:
             _, health, cluster, choice = job.adapt
             sampled = not job.cfg.sampling.greedy
-            self._after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
+            _after_decode(lambda: self._judge(health, choice, cluster, job.text, result.stats, sampled))
         self._publish()
 
     def after_answer(self, skip: bool = False) -> None:
@@ -242,15 +259,6 @@ class Adapter:
         """A request's routing text as the store keeps it: the text only with ``store_prompts``."""
         return text if self.settings.store_prompts else as_terms(text)
 
-    @staticmethod
-    def _after_decode(work: Callable[[], None]) -> None:
-        """Bookkeeping after a request decoded: a failure here must not fail that request."""
-        try:
-            work()
-        except Exception:
-            log.exception("adaptive serving's bookkeeping failed after a successful decode; the route "
-                          "keeps its stored strategy")
-
     def _publish(self) -> None:
         self._published = {
             route: {"strategy": h.label, "state": "tuning" if route in self.retunes else "stored",
@@ -301,8 +309,9 @@ class Adapter:
         start-up and refreshed by every controlled request), else one of its own."""
         if self.cost is None:
             decoder = self._decoder()
-            self.cost = self.worker.control_cost(decoder) if self.worker.control is not None else \
-                controller_cost(decoder, repeats=1, warm=False, verify_width=self.worker.verify_width)
+            shared = self.decoders.shared_cost(decoder)
+            self.cost = shared if shared is not None else \
+                controller_cost(decoder, repeats=1, warm=False, verify_width=self.decoders.verify_width)
         return self.cost
 
     def _decoder(self) -> Decoder:
@@ -310,8 +319,8 @@ class Adapter:
         from runtime.pipeline import build_decoder
 
         uses_draft = self.draft if "draft-model" in self.space.kinds(self.ctx) else None
-        width = max(self.worker.verify_width, self.width)  # == the worker's: build_server made it so
-        self.worker.widths.add(width)
+        width = max(self.decoders.verify_width, self.width)  # == the worker's: start-up made it so
+        self.decoders.note_width(width)
         return build_decoder(self.pool, self.target, PLAIN, uses_draft, verify_width=width, standby=self.standby)
 
     def _start(self, health: RouteHealth, reason: str, cluster: int | None = None) -> None:
@@ -321,7 +330,7 @@ class Adapter:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(direction="maximize")
         stored = health.strategy if cluster is None else PLAIN
-        initial = stored if stored.speculates and self._in_space(stored) else PLAIN
+        initial = stored if stored.speculates and _in_space(self.space, self.ctx, stored) else PLAIN
         # on live traffic a draft's catch-up over a request's prompt waits until the share covers it
         tuner = OnlineTuner(self.space, self.ctx, study, self._cost(),
                             TunerSettings(max_share=s.retune_share), initial)
@@ -344,13 +353,6 @@ class Adapter:
         self.events.append({"event": "retune", "route": health.route, "task": task, "reason": reason,
                             "requests": health.requests})
 
-    def _in_space(self, strategy: Strategy) -> bool:
-        try:
-            self.space.encode(strategy, self.ctx)
-        except SpaceError:
-            return False
-        return True
-
     def _drop(self, retune: Retune, why: str) -> None:
         """End ``retune`` now (its decoder, caches and study go with it); its route is judged
         afresh with its stored entry."""
@@ -369,7 +371,7 @@ class Adapter:
     def _after_retune_request(self, retune: Retune, job: Any) -> None:
         """After the last request of ``retune``: decide what it stores; the check and the write come
         after this request's answer is ready (``after_answer``), which waits for them
-        (``worker.CHECK_HOLD_S`` and ``worker.HOLD_S`` at most)."""
+        (``jobs.CHECK_HOLD_S`` and ``jobs.HOLD_S`` at most)."""
         if retune.requests < self.settings.retune_requests:
             return
         self._drop(retune, "done")
@@ -390,58 +392,17 @@ class Adapter:
 
     def _store(self, retune: Retune, strategy: Strategy, tps: float, acceptance: float | None,
                predicted: float | None, hold: threading.Event) -> None:
-        """Check ``retune``'s result on the first requests it tuned on and hand it to the store
-        writer (``hold`` is set once stored, or at once when nothing is written). Lossless: a
-        speculative result's greedy output must equal plain decoding's. Replacing: when the route's
-        stored strategy speculates, the result must decode those requests at least as fast."""
-        prompts, eos, tokens = retune.ids, retune.eos, self.settings.check_tokens
-        stored = retune.stored
-        plain = timed(self.worker.decoder(PLAIN), prompts, eos, tokens) \
-            if strategy.speculates or stored.speculates else None
-        run = timed(self.worker.decoder(strategy), prompts, eos, tokens) if strategy.speculates else plain
-        if plain is not None and run is not None and run.outputs != plain.outputs:
+        """Check ``retune``'s result on the first requests it tuned on (``results.check``) and hand
+        it to the store writer (``hold`` is set once stored, or at once when nothing is written)."""
+        verdict = check(self.decoders, retune, strategy, self.settings.check_tokens)
+        if not verdict.lossless:
             log.warning("the re-tune of route %s picked %s, whose greedy output differed from plain decoding's "
                         "on the requests it tuned on; it is not stored", retune.route, strategy.to_json())
             self.events.append({"event": "retune_lossy", "route": retune.route, "task": retune.task,
                                 "strategy": strategy.to_dict()})
             hold.set()
             return
-        replaces = True
-        if stored.speculates and stored != strategy and run is not None:
-            before = timed(self.worker.decoder(stored), prompts, eos, tokens)
-            replaces = run.tps >= before.tps
-        if not replaces:  # the stored strategy stays, judged from now on against what it measured here
+        if not verdict.replaces:  # the stored strategy stays, judged from now on against what it measured here
             self.references[retune.route] = (retune.supersedes, retune.stored_acceptance)
-        self.writer.submit(self._write(retune, strategy, tps, acceptance, predicted, replaces, hold))
-
-    def _write(self, retune: Retune, strategy: Strategy, tps: float, acceptance: float | None,
-               predicted: float | None, replaces: bool, hold: threading.Event) -> Write:
-        tuning = retune.tuner.state.tuning_s / retune.wall_s if retune.wall_s else 0.0
-        metrics = ResultMetrics.from_throughput(tps, acceptance=acceptance, predicted_tps=predicted,
-                                                tuning_share=min(tuning, 1.0), study_name=f"serve:{retune.route}")
-        prompts, supersedes, trials = list(retune.prompts), retune.supersedes, retune.tuner.state.trials
-        task = retune.task
-
-        def record() -> int:  # on the writer thread, retried there
-            nonlocal task
-            if retune.cluster is None:
-                key = strategy_key(self.target, self.draft, task, self.device)
-                return self.storage.record(key, strategy, metrics, prompts=prompts, supersedes=supersedes,
-                                           offer=replaces)
-            # a new route's name is claimed in the store: another replica may hold it since our last refresh
-            taken = {b.key.task for b in self.storage.list_best(**self.book.scope)}
-            while True:
-                task = unique_name(retune.task, taken)
-                try:
-                    return self.storage.record(strategy_key(self.target, self.draft, task, self.device), strategy,
-                                               metrics, prompts=prompts, new_key=True)
-                except KeyTaken:
-                    taken.add(task)
-
-        def then(history_id: int) -> None:  # on the writer thread, once stored
-            self.book.refresh()
-            self.events.append({"event": "stored" if replaces else "kept", "route": retune.route, "task": task,
-                                "strategy": strategy.to_dict(), "tokens_per_s": tps, "acceptance": acceptance,
-                                "history_id": history_id, "tuning_share": tuning, "trials": trials})
-
-        return Write(f"the re-tune of route {retune.route} (task {task})", record, then, done=hold)
+        self.writer.submit(result_write(self.destination, retune, strategy, tps, acceptance, predicted,
+                                        verdict.replaces, hold, self.events.append))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.errors import CliError
+from autotune.errors import SettingError
 
 
 PENDING_TEXTS = 64
@@ -45,12 +45,12 @@ class AdaptSettings:
                      "max_routes", "max_clusters", "check_requests", "check_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CliError(f"adaptive setting {name}={value!r} must be a positive integer")
+                raise SettingError(f"adaptive setting {name}={value!r} must be a positive integer")
         if self.new_route_requests > PENDING_TEXTS:
-            raise CliError(f"adaptive setting new_route_requests={self.new_route_requests} must be at most "
-                           f"{PENDING_TEXTS} (the requests a pending cluster of unknown traffic keeps)")
+            raise SettingError(f"adaptive setting new_route_requests={self.new_route_requests} must be at most "
+                               f"{PENDING_TEXTS} (the requests a pending cluster of unknown traffic keeps)")
         for name, lo, hi in (("ewma", 0.0, 1.0), ("acceptance_drop", 0.0, 1.0), ("slower_margin", 0.0, 1.0),
                              ("retune_share", 0.0, 1.0), ("acceptance_floor_drop", 0.0, 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo < value <= hi:
-                raise CliError(f"adaptive setting {name}={value!r} must be in ({lo:g}, {hi:g}]")
+                raise SettingError(f"adaptive setting {name}={value!r} must be in ({lo:g}, {hi:g}]")

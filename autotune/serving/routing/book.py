@@ -6,7 +6,7 @@ to the nearest task's strategy; a request far from every task is the route ``unk
 decodes with the store's strategy for the task ``prompts`` (ad-hoc, general prompts: ``autotune
 study --task prompts --data FILE``), the measured general-purpose choice, else with ``fallback``:
 plain decoding, or the server's default draft where its cost model expects that to pay
-(``DecodeWorker.unknown_start``).
+(``Control.unknown_start``).
 ``plain`` and ``default`` bypass routing; a number picks a stored strategy by id.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from autotune.serving.protocol import ApiError
 from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteEntry, TaskRouter
-from autotune.serving.worker import Choice
+from autotune.serving.jobs import Choice
 from autotune.store.hardware import hardware_fingerprint
 from autotune.store.resolve import PROMPT_TASK
 from search_spaces.errors import StrategyError

@@ -1,0 +1,118 @@
+"""Per-request control in the decode worker (``autotune.tuning.controller``): which requests get a
+controller, where each starts, the controllers' measured cost models, and what a request far from
+every stored task starts on."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from autotune.serving.decoders import DecoderCache
+from autotune.serving.jobs import EXPLICIT_ROUTES, Job, Running
+from autotune.serving.routing.router import UNKNOWN
+from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
+    controller_cost, decoder_options, lookup_candidate
+from autotune.tuning.cost_model import MeasuredCostModel
+from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, pays_alone
+from runtime.decoding import Decoder
+from search_spaces.strategy import PLAIN, Strategy
+
+log = logging.getLogger("autotune.serve")
+
+
+class Control:
+    """The controllers of routed requests (``settings`` None: none, every request keeps its strategy)."""
+
+    def __init__(self, settings: ControlSettings | None, decoders: DecoderCache) -> None:
+        self.settings, self.decoders = settings, decoders
+        self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
+        self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
+        self._costs: dict[tuple, MeasuredCostModel] = {}  # cost models, per drafting model and target
+
+    def strategies(self) -> list[Strategy]:
+        """What per-request control adds to the strategies served (prompt lookup: every decoder
+        keeps it on standby), for the verify width fixed at start-up."""
+        if self.settings is None:
+            return []
+        look = lookup_candidate(self.settings.lookup_length, self.settings.lookup_length + 1)
+        return [look] if look is not None else []
+
+    def cost(self, dec: Decoder) -> MeasuredCostModel:
+        """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
+        model, timed once - at start-up, ``prepare`` - then refreshed by every request)."""
+        drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
+        model = drafting.model if drafting is not None else dec.target
+        # the wrapped weights and how they run (a float target gets a fresh wrapper per decoder)
+        key = (id(getattr(model, "hf_model", model)), getattr(model, "backend", None), id(dec.target.hf_model),
+               dec.target.backend, dec.pads)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = controller_cost(dec)
+        return cost
+
+    def prepare(self, strategies: list[Strategy]) -> None:
+        """Build the decoders of ``strategies`` (plain decoding included) and time their
+        controllers' cost models now (while ``/health`` says loading), not in a request."""
+        if self.settings is None:
+            return
+        for strategy in dict.fromkeys([PLAIN, *strategies]):
+            if self.decoders.servable(strategy) is not None:
+                continue
+            cost = self.cost(self.decoders.decoder(strategy))
+            with torch.inference_mode():
+                cost.prepare()
+
+    def unknown_start(self, default: Strategy) -> Strategy:
+        """What a request far from every stored task starts on (with no general entry stored):
+        ``default``, the server's untuned draft, where this server's measured cost model expects
+        it to beat plain decoding alone at ``DEFAULT_ACCEPTANCE``, else plain decoding."""
+        if not default.speculates or self.decoders.servable(default) is not None:
+            return PLAIN
+        dec = self.decoders.decoder(default)
+        cost = self.cost(dec) if self.settings is not None else controller_cost(dec)
+        with torch.inference_mode():
+            per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
+            pays = pays_alone(Candidate.of(default, DEFAULT_ACCEPTANCE, per_token), cost.verify_s, cost.plain_step_s(),
+                              stops_early=default.confidence_threshold > 0 and not default.tree_widths)
+        return default if pays else PLAIN
+
+    def controller(self, job: Job, strategy: Strategy, dec: Decoder) -> RequestController | None:
+        """``job``'s controller, starting where its route's latest requests mostly ended; None for
+        an explicit choice, a request re-tuning its route and one this server cannot run."""
+        if self.settings is None or job.choice.route in EXPLICIT_ROUTES or job.choice.state != "stored":
+            return None
+        start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.settings),
+                                  job.choice.distance)
+        return RequestController(strategy, dec, self.cost(dec), len(job.ids), self.settings, self.corrections,
+                                 start=start)
+
+    @staticmethod
+    def before_round(batch: list[Running]) -> None:
+        """Each controlled request's controller, before the step's round (it may switch strategy).
+        A request that the load-aware choice kept from drafting in the last step of a batch skips
+        it: its decisions choose among drafts it is not running."""
+        alone = len(batch) == 1
+        for r in batch:
+            if r.control is None or (not alone and r.member.decoder.step_cap == 0):
+                continue
+            seq = r.member.seq
+            try:
+                r.control.before_round(r.member.decoder, seq.prompt + seq.out, seq.cache, seq.stats, alone=alone,
+                                       batch=len(batch))
+            except Exception:  # its strategy stays what it was; the request goes on, uncontrolled
+                log.exception("a request's controller failed; it keeps decoding with %s", r.current.to_json())
+                r.member.decoder.apply(r.current)
+                r.control = None
+
+    def finished(self, r: Running, decode_s: float, on_control: Any) -> None:
+        """``r``'s controller is done: its summary on the job, and where it ended teaches its route."""
+        if r.control is None:
+            return
+        r.job.control = r.control.summary(decode_s=decode_s)
+        # a request too short to decide says nothing about its route, and ``unknown`` is every
+        # unseen kind at once: what one kind ended on is no prior for the next
+        if r.control.decisions and r.job.choice.route != UNKNOWN:
+            self.priors.observe(r.job.choice.route, r.control.current, r.job.choice.distance)
+        if on_control is not None:
+            on_control(r.job)

@@ -1,0 +1,63 @@
+"""What the decode worker has measured of this machine and its routes: a batched target step's price,
+each draft model's depth forward, each drafter's catch-up and per-token price, and each route's live
+acceptance. The step planner (``planner``) reads them; the decode loop refines them every step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.tuning.load import CatchUpCost, DraftCost, RouteAcceptance, StepCost
+from runtime.decoding import Decoder
+
+
+@dataclass
+class CostFigures:
+    """The figures the step planner prices a step with (all learned while serving)."""
+
+    step_cost: StepCost = field(default_factory=StepCost)  # a batched forward's price (start-up profile, then steps)
+    # each draft model's depth forwards in a batched step, by its weights (``draft_key``): one
+    # forward per depth for every sequence drafting there
+    draft_costs: dict[str, DraftCost] = field(default_factory=dict)
+    # a drafting model's catch-up over a sequence (its prompt and first tokens), by drafter kind:
+    # what starting to draft costs a request
+    catch_ups: dict[str, CatchUpCost] = field(default_factory=dict)
+    draft_token_s: dict[str, float] = field(default_factory=dict)  # seconds per drafted token, by drafter kind
+    # each route's live acceptance per strategy: the goodput choice's prior (``/health`` shows it)
+    acceptance: RouteAcceptance = field(default_factory=RouteAcceptance)
+
+    def observe_drafting(self, batch: list[Any], drafted: list[int], seconds: float) -> None:
+        """A step's drafting (``drafted`` tokens per request of ``batch``, ``seconds`` in all), for
+        the draft model's depth price: where every sequence that drafted ran a chain of one draft
+        model, its depths are the longest chain."""
+        drafting = [(r, n) for r, n in zip(batch, drafted) if n > 0]
+        keys = {draft_key(r.member.decoder) for r, _ in drafting}
+        if not drafting or len(keys) != 1 or None in keys or any(
+                r.current.drafter != "draft-model" or r.current.tree_widths or r.current.dynamic_widths
+                for r, _ in drafting):  # (a lookup copy drafts free, though its decoder holds a draft model)
+            return
+        chains = [n for _, n in drafting]
+        self.draft_costs.setdefault(keys.pop(), DraftCost()).observe(max(chains), sum(chains), seconds)
+
+    def observe_catch_up(self, drafter: str, tokens: int, seconds: float) -> None:
+        """A drafting model caught up on ``tokens`` of a sequence in ``seconds``."""
+        self.catch_ups.setdefault(drafter, CatchUpCost()).observe(tokens, seconds)
+
+    def observe_finished(self, route: str, r: Any) -> None:
+        """``r`` left its batch: where one speculative strategy decoded it all, its per-token draft
+        price and its acceptance on ``route``."""
+        stats = r.member.seq.stats
+        # the one it started with (its route's moved prior, maybe not its decoder's key)
+        if stats.drafted and r.current.speculates and (r.control is None or not r.control.switches):
+            self.draft_token_s[r.current.drafter] = stats.draft_s / stats.drafted
+            self.acceptance.observe(route, r.current, stats.accepted, stats.drafted)
+
+
+def draft_key(decoder: Decoder) -> str | None:
+    """Which draft model's weights ``decoder`` drafts with (its draft-model drafter, drafting or on
+    standby; None: none): sequences with the same key run each draft depth as one forward
+    (``runtime.batching.draft_together`` groups them by the same weights)."""
+    drafter = decoder.drafter_of("draft-model")
+    if drafter is None:
+        return None
+    model = drafter.model
+    return f"draft-model:{id(getattr(model, 'linears', model))}:{id(getattr(model, 'head', model))}"

@@ -1,0 +1,252 @@
+"""The decode thread's loop: admit waiting requests between steps, run a long prompt's prefill a chunk
+before each step, and step the running batch (``runtime.batching.batch_round``), each request's
+controller and planned draft first; answer each request as it leaves."""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from autotune.serving.answers import after_round, complete
+from autotune.serving.control import Control
+from autotune.serving.costs import CostFigures
+from autotune.serving.decoders import DecoderCache
+from autotune.serving.jobs import Job, Prefilling, Running, decode_failed, shutting_down, user_errors, worker_dead
+from autotune.serving.planner import plan_step
+from autotune.serving.protocol import ApiError
+from autotune.serving.request_queue import RequestQueue
+from autotune.serving.worker_config import Hooks, WorkerConfig
+from runtime.batching import Member, batch_round
+from runtime.decoding import GenerationResult
+from search_spaces.strategy import PLAIN
+
+log = logging.getLogger("autotune.serve")
+
+
+class Adapting(Protocol):
+    """What the worker needs of adaptive serving (``adaptive.Adapter``): the loop's calls, start-up's
+    (``width``, ``prepare``) and the server's (``describe``, ``close``)."""
+
+    deferred: Any  # work left for after a request's answer (truthy while some waits)
+    width: int  # the verify width its tuning decoders need
+
+    def begin(self, job: Job) -> Any: ...
+    def generate_retune(self, job: Job, retune: Any, after_round: Callable) -> GenerationResult: ...
+    def decoded(self, job: Job, result: GenerationResult) -> None: ...
+    def after_answer(self, skip: bool = False) -> None: ...
+    def prepare(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class DecodeLoop:
+    """Runs on the decode thread: everything here but ``running_jobs`` is called from it alone."""
+
+    def __init__(self, config: WorkerConfig, hooks: Hooks, requests: RequestQueue, decoders: DecoderCache,
+                 figures: CostFigures, control: Control, adapter: Adapting | None) -> None:
+        self.config, self.hooks, self.requests, self.decoders = config, hooks, requests, decoders
+        self.figures, self.control, self.adapter = figures, control, adapter
+        self.failures = 0  # internal decode failures in a row
+        self.died = False  # ended on what no request handler can catch
+        self.batch: list[Running] = []  # the running batch
+        self.solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
+        self.prefilling: Prefilling | None = None  # a long prompt's prefill, a chunk between steps (it is solo)
+        self._stop_seen = False
+
+    def running_jobs(self) -> list[Job]:
+        """The requests being decoded now (for the drain's expiry, on its timer thread)."""
+        return [r.job for r in list(self.batch)] + ([self.solo] if self.solo is not None else [])
+
+    def run(self) -> None:
+        try:
+            while self._fill():
+                if self.prefilling is not None:  # a long prompt: its next chunk, then the batch's step
+                    self._prefill()
+                if self.batch:
+                    self._step()
+                if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
+                    self.adapter.after_answer(skip=self.requests.closing)
+        except BaseException:  # nothing can go on after this: say so to everyone waiting
+            self.died = True
+            log.critical("the decode worker stopped; /health answers 503 from now on", exc_info=True)
+            for job in [r.job for r in self.batch] + [self.solo]:
+                if job is not None:
+                    job.emit("error", decode_failed())
+            self.batch, self.solo = [], None
+            self.requests.refuse_waiting(worker_dead())
+
+    def _fill(self) -> bool:
+        """Admit waiting requests while the batch has room (blocking while nothing runs) -> False
+        once the worker should end (the stop sentinel was seen and nothing runs). Prefills run one
+        at a time: none is admitted while a long prompt's chunks are still running."""
+        while len(self.batch) < self.config.max_batch and self.prefilling is None:
+            # block for the next request only when there is nothing else to do
+            idle = not self.batch and not self._stop_seen and not (self.adapter is not None and self.adapter.deferred)
+            try:
+                job = self.requests.next(block=idle)
+            except queue.Empty:
+                break
+            if job is None:
+                self._stop_seen = True
+                continue
+            self._admit(job)
+        return bool(self.batch) or self.prefilling is not None or not self._stop_seen
+
+    def _admit(self, job: Job) -> None:
+        """Start ``job``: its prefill's first chunk now (a prompt of one chunk then joins the batch
+        at once; a longer one runs a chunk before each step until it joins). A re-tune's request
+        decodes whole, alone."""
+        if job.cancelled.is_set():
+            return
+        if self.requests.closing:  # queued in the instant before a drain emptied the queue
+            job.emit("error", shutting_down())
+            return
+        self.solo = job
+        try:
+            if self.hooks.fault is not None:
+                self.hooks.fault(job)
+            if self.decoders.servable(job.choice.strategy) is not None:  # logged once; lossless either way
+                job.choice = replace(job.choice, strategy=PLAIN, label="plain", state="unservable")
+            retune = None
+            if self.adapter is not None and job.choice.state != "unservable":
+                retune = self.adapter.begin(job)
+            if retune is not None:
+                adapter = self.adapter
+                self._decode_alone(job, lambda after: adapter.generate_retune(job, retune, after))
+                self.solo = None
+                return
+            strategy = job.choice.strategy
+            dec = self.decoders.acquire(strategy)
+            self.prefilling = Prefilling(job, strategy, dec, dec.start_steps(job.ids, job.cfg))
+        except ApiError as exc:
+            self._fail(job, None, exc)
+            self.solo = None
+            return
+        except Exception:  # a bug must not kill the worker: report it to this request only
+            self.failures += 1
+            log.exception("decoding a request failed")  # the details go to the log, never to the client
+            self._fail(job, None, decode_failed())
+            self.solo = None
+            return
+        self._prefill()
+
+    def _prefill(self) -> None:
+        """The prefilling request's next prompt chunk; after its last, it joins the batch. A request
+        withdrawn (or stopped by a drain's grace) between chunks leaves with its decoder and slot."""
+        p = self.prefilling
+        assert p is not None
+        job, strategy, dec = p.job, p.strategy, p.decoder
+        running: Running | None = None
+        try:
+            try:
+                if job.cancelled.is_set():
+                    self.decoders.release(strategy, dec)
+                    self.prefilling = self.solo = None
+                    return
+                if p.started and self.hooks.on_prefill_chunk is not None:
+                    self.hooks.on_prefill_chunk()
+                p.started = True
+                try:
+                    user_errors(next, p.steps)
+                    return  # more chunks: the batch steps first
+                except StopIteration as done:
+                    seq = done.value
+            except BaseException:
+                self.decoders.release(strategy, dec)
+                self.prefilling = None
+                raise
+            self.prefilling = None
+            running = Running(job, Member(dec, seq), strategy, self.control.controller(job, strategy, dec))
+            self.batch.append(running)
+            self.solo = None
+            if after_round(job, seq.out):
+                self._leave(running)
+        except ApiError as exc:
+            self._fail(job, running, exc)
+        except Exception:  # a bug must not kill the worker: report it to this request only
+            self.failures += 1
+            log.exception("decoding a request failed")  # the details go to the log, never to the client
+            self._fail(job, running, decode_failed())
+        if self.prefilling is None:
+            self.solo = None  # not on a BaseException: the worker's end answers this request too
+
+    def _step(self) -> None:
+        """One round for every running request; the finished, stopped and departed ones leave."""
+        batch = list(self.batch)
+        self.control.before_round(batch)
+        for r, shape in zip(batch, plan_step(batch, self.figures, self.config.max_batch_rows, self.config.load_aware)):
+            r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
+        drafting = sum(r.member.seq.stats.draft_s for r in batch)
+        drafted = [r.member.seq.stats.drafted for r in batch]
+        try:
+            self.sync_drafters(batch)  # timed as the requests' prefill, not the step's
+            started = time.perf_counter()
+            user_errors(batch_round, self.decoders.batch_target(), [r.member for r in batch])
+        except Exception as exc:  # which request's round failed is unknown: the step's requests fail
+            if not isinstance(exc, ApiError):
+                self.failures += 1
+                log.exception("a batched decode step failed")
+            for r in batch:
+                self._fail(r.job, r, exc if isinstance(exc, ApiError) else decode_failed())
+            return
+        drafting_s = sum(r.member.seq.stats.draft_s for r in batch) - drafting
+        if len(batch) > 1:  # the target forward's time: the step's, less its drafting
+            forward_s = time.perf_counter() - started - drafting_s
+            self.figures.step_cost.observe(sum(r.member.decoder.last_rows for r in batch), len(batch), forward_s)
+        self.figures.observe_drafting(batch, [r.member.seq.stats.drafted - n for r, n in zip(batch, drafted)],
+                                      drafting_s)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(batch)
+        for r in batch:
+            if after_round(r.job, r.member.seq.out) or r.member.seq.finished:
+                self._leave(r)
+
+    def sync_drafters(self, batch: list[Running]) -> None:
+        """Before the first step a request drafts in, its drafting model runs over the prompt
+        (``Decoder.draft_prefill``, timed as prefill), not at admission: a request that a loaded
+        batch never lets draft never pays for it. What it cost is kept by drafter kind (the next
+        request's start is priced at it)."""
+        for r in batch:
+            if not r.drafter_synced and r.member.decoder.step_cap != 0:
+                seq = r.member.seq
+                before = seq.stats.prefill_s
+                ran = r.member.decoder.draft_prefill(seq)  # times itself, as prefill
+                r.drafter_synced = True
+                if ran:  # a catch-up that ran nothing (none needed) says nothing of its price
+                    self.figures.observe_catch_up(r.current.drafter, ran, seq.stats.prefill_s - before)
+
+    def _leave(self, r: Running) -> None:
+        """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
+        self.batch.remove(r)
+        self.decoders.release(r.strategy, r.member.decoder)
+        self.figures.observe_finished(r.job.choice.route, r)
+        try:
+            result = r.member.seq.result()
+            self.control.finished(r, result.stats.wall_s - result.stats.prefill_s, self.hooks.on_control)
+            if self.adapter is not None:
+                self.adapter.decoded(r.job, result)
+            if not r.job.cancelled.is_set():
+                complete(r.job, result, self.hooks.on_done)
+            self.failures = 0
+        except ApiError as exc:
+            r.job.emit("error", exc)
+        except Exception:
+            self.failures += 1
+            log.exception("finishing a request failed")
+            r.job.emit("error", decode_failed())
+
+    def _fail(self, job: Job, running: Running | None, err: ApiError) -> None:
+        if running is not None and running in self.batch:
+            self.batch.remove(running)
+            self.decoders.release(running.strategy, running.member.decoder)
+        job.emit("error", err)
+
+    def _decode_alone(self, job: Job, decode: Callable[[Callable[[list[int]], bool]], GenerationResult]) -> None:
+        """Decode ``job`` whole, now, while the batch waits (a re-tune's tuner drives its rounds)."""
+        result = user_errors(decode, lambda tokens: after_round(job, tokens))
+        if not job.cancelled.is_set():
+            complete(job, result, self.hooks.on_done)
+        self.failures = 0
