@@ -17,6 +17,13 @@ ALLOWED = {
     "search_spaces": set(),
     "studies": set(),
 }
+# inside ``autotune``: (importer, imported) package pairs no module may form; a module inside the
+# imported package itself is exempt, so ``autotune`` -> ``autotune.cli`` bars only library modules
+FORBIDDEN = (
+    ("autotune.serving", "autotune.measure"),
+    ("autotune.measure", "autotune.serving"),
+    ("autotune", "autotune.cli"),
+)
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -113,6 +120,16 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def inner_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` edges inside ``autotune`` that ``FORBIDDEN`` bars."""
+    return [f"{src} -> {dst}" for src, deps in sorted(graph.items()) for dst in sorted(deps)
+            if any(_within(src, a) and _within(dst, b) and not _within(src, b) for a, b in FORBIDDEN)]
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return import_graph(project_modules())
@@ -126,11 +143,18 @@ def test_dependencies_point_one_way(graph: dict[str, set[str]]) -> None:
     assert layering_violations(graph) == []
 
 
+def test_autotune_layers_point_one_way(graph: dict[str, set[str]]) -> None:
+    """Serving and measuring never import each other; no library module imports the CLI."""
+    assert inner_violations(graph) == []
+
+
 def test_the_graph_sees_the_project(graph: dict[str, set[str]]) -> None:
     """The walk found the packages and their edges (an empty graph would pass everything)."""
     assert {"autotune.tuning.tuner", "runtime.decoding", "search_spaces.strategy", "studies.tasks"} <= set(graph)
     assert "runtime.draft" in graph["runtime.decoding"]
     assert "search_spaces.strategy" in graph["autotune.tuning.tuner"]
+    assert {"autotune.serving.server", "autotune.measure.replay", "autotune.cli.main"} <= set(graph)
+    assert "autotune.measure.replay" in graph["autotune.cli.replay"]
 
 
 def _write(root: Path, files: dict[str, str]) -> dict[str, Path]:
@@ -175,3 +199,42 @@ def test_an_import_against_the_layering_is_found(tmp_path: Path, src: str, text:
     module = src[:-3].replace("/", ".")
     found = layering_violations(import_graph(mods))
     assert found and all(v.startswith(f"{module} -> ") for v in found)
+
+
+_AUTOTUNE_TREE = {
+    "autotune/__init__.py": "", "autotune/cli/__init__.py": "", "autotune/cli/main.py": "",
+    "autotune/measure/__init__.py": "", "autotune/measure/steps.py": "",
+    "autotune/serving/__init__.py": "", "autotune/serving/protocol.py": "",
+    "autotune/choices.py": "", "runtime/__init__.py": "", "search_spaces/__init__.py": "", "studies/__init__.py": "",
+}
+
+
+@pytest.mark.parametrize("src, text", [
+    ("autotune/serving/worker.py", "def f():\n    from autotune.measure.steps import time_steps\n"),
+    ("autotune/measure/replay.py", "from autotune.serving.protocol import STRATEGY_CHOICES\n"),
+    ("autotune/measure/replay.py", "def f():\n    from ..serving import protocol\n"),
+    ("autotune/reports/table.py", "import autotune.cli.main\n"),
+    ("autotune/serving/adaptive/settings.py", "from autotune.cli import main\n"),
+])
+def test_an_import_against_the_autotune_layers_is_found(tmp_path: Path, src: str, text: str) -> None:
+    """Power check: serving importing measuring (even lazily), measuring importing serving (even
+    relatively) and a library module importing the CLI are each reported."""
+    mods = _write(tmp_path, {**_AUTOTUNE_TREE, src: text})
+    module = src[:-3].replace("/", ".")
+    found = inner_violations(import_graph(mods))
+    assert found and all(v.startswith(f"{module} -> ") for v in found)
+
+
+def test_allowed_autotune_imports_are_not_reported(tmp_path: Path) -> None:
+    """Power check the other way: the CLI importing serving and measuring, and both importing a
+    module they share, are allowed."""
+    mods = _write(tmp_path, {
+        **_AUTOTUNE_TREE,
+        "autotune/cli/serve.py": "from autotune.serving import protocol\nfrom autotune.cli import main\n",
+        "autotune/cli/replay.py": "from autotune.measure import steps\n",
+        "autotune/serving/app.py": "from autotune.choices import STRATEGY_CHOICES\n",
+        "autotune/measure/replay.py": "from autotune.choices import STRATEGY_CHOICES\n",
+    })
+    graph = import_graph(mods)
+    assert "autotune.serving.protocol" in graph["autotune.cli.serve"]
+    assert inner_violations(graph) == []

@@ -19,7 +19,7 @@ from runtime.stats import DecodeStats
 from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
-from autotune.errors import CliError
+from autotune.errors import MethodError
 from autotune.measure import peers
 
 
@@ -91,7 +91,7 @@ def _hf_static(ctx: BenchContext) -> Method:
 
 def _hf_assisted(ctx: BenchContext) -> Method:
     if ctx.draft_name is None:
-        raise CliError("method 'hf-assisted' needs a draft model; pass --draft MODEL")
+        raise MethodError("method 'hf-assisted' needs a draft model; pass --draft MODEL")
     return _hf(ctx, ctx.pool.get(ctx.draft_name, ctx.dtype))
 
 
@@ -128,14 +128,14 @@ def _shaped(ctx: BenchContext, s: Strategy) -> Strategy:
 def _sd_strategy(ctx: BenchContext) -> Strategy:
     """The strategy from the command line (a chain unless --tree-widths/--dynamic-widths)."""
     if ctx.draft_name is None:
-        raise CliError("method 'sd' needs a draft model; pass --draft MODEL")
+        raise MethodError("method 'sd' needs a draft model; pass --draft MODEL")
     return _shaped(ctx, ctx.strategy)
 
 
 def _tree_strategy(ctx: BenchContext) -> Strategy:
     """The command line's tree, else the default tree shape."""
     if ctx.draft_name is None:
-        raise CliError("method 'sd-tree' needs a draft model; pass --draft MODEL")
+        raise MethodError("method 'sd-tree' needs a draft model; pass --draft MODEL")
     s = ctx.strategy
     if s.tree_widths is not None or s.dynamic_widths is not None:
         return _shaped(ctx, s)
@@ -149,7 +149,7 @@ def _lookup_strategy(ctx: BenchContext) -> Strategy:
 def _easyspec_strategy(ctx: BenchContext) -> Strategy:
     """The command line's draft strategy with EasySpec's default layer-parallel plan (table 6)."""
     if ctx.draft_name is None:
-        raise CliError("method 'easyspec' needs a draft model; pass --draft MODEL")
+        raise MethodError("method 'easyspec' needs a draft model; pass --draft MODEL")
     lp = int(ctx.options.get("lp", ctx.lp_size))
     n_layers = ctx.pool.get(ctx.draft_name, draft_load_precision(ctx.strategy, ctx.pool.device, ctx.pool.compile)).hf_model.config.num_hidden_layers
     calibrate = ctx.options.get("cal", "on" if ctx.strategy.calibrate else "off") == "on"
@@ -270,7 +270,7 @@ class MethodSpec:
 def parse_method(text: str) -> MethodSpec:
     name, *opts = text.split(":")
     if name not in METHODS:
-        raise CliError(f"unknown bench method {name!r}; choose from {', '.join(METHODS)}")
+        raise MethodError(f"unknown bench method {name!r}; choose from {', '.join(METHODS)}")
     parsed = []
     for opt in opts:
         prefix = next((p for p in sorted(METHOD_OPTIONS, key=len, reverse=True) if opt.startswith(p)), None)
@@ -279,14 +279,14 @@ def parse_method(text: str) -> MethodSpec:
                 raise ValueError
             parsed.append(METHOD_OPTIONS[prefix](opt[len(prefix):]))
         except ValueError:
-            raise CliError(
+            raise MethodError(
                 f"bad option {opt!r} in bench method {text!r}; options: lpN (layer-parallel size), rX (skip "
                 "ratio), cal / nocal (bonus calibration), task=NAME (tuned on that task), db=FILE (tuned, read from that SQLite "
                 "store, which must exist), kN (draft length), tW-W-... (tree widths), lookup (prompt lookup first, the "
                 "draft model elsewhere), e.g. easyspec:lp2:nocal, tuned:db=auto.db, sd:k4, sd-tree:t2-1-1-1, sd:lookup"
             ) from None
     if ("lookup", "on") in parsed and name not in LOOKUP_FIRST_METHODS:
-        raise CliError(
+        raise MethodError(
             f"option lookup in bench method {text!r}: only the draft-model methods ({', '.join(LOOKUP_FIRST_METHODS)}) "
             "draft with prompt lookup first, e.g. sd:lookup"
         )
@@ -303,9 +303,9 @@ class MethodTotals:
 def parse_methods(text: str) -> list[MethodSpec]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
-        raise CliError(f"no bench method in {text!r}; choose from {', '.join(METHODS)}")
+        raise MethodError(f"no bench method in {text!r}; choose from {', '.join(METHODS)}")
     if len(set(names)) != len(names):
-        raise CliError(f"bench method listed twice in {text!r}")
+        raise MethodError(f"bench method listed twice in {text!r}")
     return [parse_method(n) for n in names]
 
 

@@ -308,6 +308,6 @@ def read_points(path: Any) -> list[LoadPoint]:
         return [LoadPoint(**{**p, "round_tokens_per_s": tuple(p.get("round_tokens_per_s", ()))})
                 for p in data["points"]]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        from autotune.errors import CliError
+        from autotune.errors import SettingError
 
-        raise CliError(f"cannot read load-test points from {path}: {exc}; pass a file `loadtest --json` wrote") from None
+        raise SettingError(f"cannot read load-test points from {path}: {exc}; pass a file `loadtest --json` wrote") from None

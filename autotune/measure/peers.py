@@ -39,7 +39,7 @@ from runtime.loading import _join_and_verify, _package_dir, cache_root
 from runtime.models import MODEL_ALIASES, PackagedGGUF, resolve_model
 from runtime.stats import DecodeStats
 
-from autotune.errors import CliError
+from autotune.errors import MethodError
 
 ENV_DIR = "AUTOTUNE_LLAMACPP_DIR"
 TOOL = "llama-speculative-simple"
@@ -74,7 +74,7 @@ def find_tool(name: str = TOOL) -> Path:
     for path in (root / "bin" / name, root / "build" / "bin" / name, root / name):
         if path.is_file() and os.access(path, os.X_OK):
             return path
-    raise CliError(
+    raise MethodError(
         f"llama.cpp is not built: no {name} under {root}; run `make peers` (10-25 minutes), "
         f"or set ${ENV_DIR} to a directory holding bin/{name}"
     )
@@ -90,7 +90,7 @@ def gguf_file(alias: str) -> Path:
     source = MODEL_ALIASES.get(alias) or resolve_model(alias)
     if not isinstance(source, PackagedGGUF):
         packaged = ", ".join(a for a, s in MODEL_ALIASES.items() if isinstance(s, PackagedGGUF))
-        raise CliError(f"llama.cpp methods run the GGUF file of a packaged model alias ({packaged}); got {alias!r}")
+        raise MethodError(f"llama.cpp methods run the GGUF file of a packaged model alias ({packaged}); got {alias!r}")
     if len(source.chunks) == 1:
         pkg, rel = source.chunks[0]
         return _package_dir(pkg, source.pip_specs) / rel
@@ -147,9 +147,9 @@ def check_ready(name: str, model: str, draft: str | None, random_weights: bool =
     find_tool()
     find_tool(TOKENIZE_TOOL)
     if random_weights:
-        raise CliError(f"method {name!r} runs the real GGUF weights; drop --random-weights")
+        raise MethodError(f"method {name!r} runs the real GGUF weights; drop --random-weights")
     if variant.needs_draft and draft is None:
-        raise CliError(f"method {name!r} needs a draft model; pass --draft MODEL")
+        raise MethodError(f"method {name!r} needs a draft model; pass --draft MODEL")
     for alias in (model, draft if variant.needs_draft else None):
         if alias is not None and not isinstance(MODEL_ALIASES.get(alias), PackagedGGUF):
             gguf_file(alias)  # raises the one-line error naming the packaged aliases
@@ -292,7 +292,7 @@ def tool_argv(setup: PeerSetup, text: str, n_prompt: int, cfg: GenerationConfig)
 def run_peer(setup: PeerSetup, prompt: list[int], cfg: GenerationConfig) -> PeerRun:
     """One prompt through the tool: tokens (re-tokenised), stats from its timers, notes."""
     if cfg.sampling.temperature > 0:
-        raise CliError("llama.cpp peers run greedy (temperature 0) only")
+        raise MethodError("llama.cpp peers run greedy (temperature 0) only")
     text = setup.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     done = _run(tool_argv(setup, text, len(prompt), cfg), TOOL)
     report = parse_report(done.stderr.decode("utf-8", "replace"))

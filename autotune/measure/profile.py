@@ -23,36 +23,14 @@ from typing import Any
 import torch
 from torch.utils.benchmark import Timer
 
-from autotune.errors import CliError
+from autotune.errors import SettingError
+from autotune.measure.profile_settings import ProfileSettings
 from runtime.kv_cache import KVCache
 from runtime.loading import LoadedModel, prepare_backend
 from runtime.pipeline import ModelPool, verify_packing
 from runtime.precision import PRECISIONS, get_precision
 from runtime.transformer import CausalLM
 from search_spaces import LayerPlan, easyspec_plan
-
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
-DEFAULT_LP_SIZES = (2, 3, 4)
-
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    widths: tuple[int, ...] = DEFAULT_WIDTHS  # verify rows to time
-    lp_sizes: tuple[int, ...] = DEFAULT_LP_SIZES  # EasySpec layer-parallel sizes for the draft step
-    context: int = 256  # tokens already in the KV cache before each timed step
-    min_run_time: float = 0.5  # seconds of timing per step (blocked_autorange)
-    seed: int = 0  # random weights (--random-weights)
-    compile: bool = False  # time compiled steps (runtime.compiled; the first call compiles, untimed)
-
-    def __post_init__(self) -> None:
-        if not self.widths or any(w < 1 for w in self.widths):
-            raise CliError(f"--widths must be positive row counts like 1,2,4,8, got {list(self.widths)}")
-        if any(lp < 2 for lp in self.lp_sizes):
-            raise CliError(f"--lp-size values must be at least 2 (layer-parallel groups), got {list(self.lp_sizes)}")
-        if not self.min_run_time > 0:
-            raise CliError(f"--min-time must be a positive number of seconds, got {self.min_run_time}")
-        if self.context < 1:
-            raise ValueError(f"context must be at least 1 token, got {self.context}")
 
 
 @dataclass
@@ -202,11 +180,11 @@ def check_device(device: str) -> None:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise CliError(f"unknown --device {device!r}; use cpu, cuda or cuda:N") from None
+        raise SettingError(f"unknown --device {device!r}; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        raise SettingError(f"--device {device}: no CUDA device is available here; use --device cpu")
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise CliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        raise SettingError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def device_name(device: str) -> str:

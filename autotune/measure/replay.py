@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from autotune.errors import CliError
+from autotune.choices import STRATEGY_CHOICES
+from autotune.errors import MethodError, RemoteError, SettingError
 from studies.stream import StreamRequest
 
 DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
@@ -24,22 +25,20 @@ DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
 
 def check_mode(mode: str) -> str:
     """``mode`` when the server's per-request override takes it (a choice or a stored id)."""
-    from autotune.serving.protocol import STRATEGY_CHOICES
-
     if mode in STRATEGY_CHOICES or mode.isdigit():
         return mode
-    raise CliError(f"unknown mode {mode!r}; modes are {', '.join(STRATEGY_CHOICES)} or a stored strategy id "
-                   "(`autotune strategies list`)")
+    raise MethodError(f"unknown mode {mode!r}; modes are {', '.join(STRATEGY_CHOICES)} or a stored strategy id "
+                      "(`autotune strategies list`)")
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
     """``"auto,plain"`` -> ``("auto", "plain")``: known modes, each once, at least one."""
     modes = tuple(part.strip() for part in text.split(",") if part.strip())
     if not modes:
-        raise CliError(f"--mode takes a comma list such as {','.join(DEFAULT_MODES)}, got {text!r}")
+        raise MethodError(f"--mode takes a comma list such as {','.join(DEFAULT_MODES)}, got {text!r}")
     repeated = [m for i, m in enumerate(modes) if m in modes[:i]]
     if repeated:
-        raise CliError(f"mode {repeated[0]!r} is listed twice in --mode; list each mode once")
+        raise MethodError(f"mode {repeated[0]!r} is listed twice in --mode; list each mode once")
     return tuple(check_mode(m) for m in modes)
 
 
@@ -47,7 +46,7 @@ def base_url(url: str) -> str:
     """The server's root URL: ``http://host:port`` (a trailing ``/`` or ``/v1`` dropped)."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise CliError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+        raise SettingError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
     root = url.strip().rstrip("/")
     return root.removesuffix("/v1")
 
@@ -68,9 +67,9 @@ class ReplaySettings:
         object.__setattr__(self, "modes", parse_modes(",".join(self.modes)))
         for name, value in (("concurrency", self.concurrency), ("max tokens", self.max_tokens)):
             if value < 1:
-                raise CliError(f"{name} must be at least 1, got {value}")
+                raise SettingError(f"{name} must be at least 1, got {value}")
         if self.timeout_s <= 0:
-            raise CliError(f"timeout must be above 0 seconds, got {self.timeout_s}")
+            raise SettingError(f"timeout must be above 0 seconds, got {self.timeout_s}")
 
 
 def schedule(n_requests: int, modes: Sequence[str]) -> list[tuple[int, str]]:
@@ -109,8 +108,8 @@ class ReplayRecord:
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
         info = body.get("autotune")
         if not isinstance(info, dict) or "token_ids" not in info:
-            raise CliError(f"request {request.index} ({mode}): the response has no autotune object with token ids; "
-                           "is the server `autotune serve`?")
+            raise RemoteError(f"request {request.index} ({mode}): the response has no autotune object with token ids; "
+                              "is the server `autotune serve`?")
         control, tuning = info.get("control"), info.get("tuning")
         try:
             extra = {} if not isinstance(control, dict) else dict(
@@ -127,8 +126,8 @@ class ReplayRecord:
                 tuning_s=float(tuning["tuning_s"]) if isinstance(tuning, dict) else None, **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CliError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "
-                           "is the server `autotune serve`?") from None
+            raise RemoteError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "
+                              "is the server `autotune serve`?") from None
 
     @property
     def decode_s(self) -> float:
@@ -143,16 +142,16 @@ def _httpx() -> Any:
     try:
         import httpx
     except ImportError:
-        raise CliError("autotune replay needs the httpx package; run `pip install httpx`") from None
+        raise MethodError("autotune replay needs the httpx package; run `pip install httpx`") from None
     return httpx
 
 
 def _body(response: Any, what: str) -> Any:
-    """The JSON body of a 200 response, or a CliError naming ``what`` was asked."""
+    """The JSON body of a 200 response, or a RemoteError naming ``what`` was asked."""
     try:
         return response.json()
     except ValueError:
-        raise CliError(f"{what} answered with something other than JSON; is --url an `autotune serve` server?") from None
+        raise RemoteError(f"{what} answered with something other than JSON; is --url an `autotune serve` server?") from None
 
 
 class ReplayClient:
@@ -175,11 +174,11 @@ class ReplayClient:
         try:
             response = self.http.get(path)
         except httpx.HTTPError as exc:
-            raise CliError(f"cannot reach autotune serve at {self.settings.url} ({type(exc).__name__}); "
-                           "start it with `autotune serve` or check --url") from None
+            raise RemoteError(f"cannot reach autotune serve at {self.settings.url} ({type(exc).__name__}); "
+                              "start it with `autotune serve` or check --url") from None
         if response.status_code != 200:
-            raise CliError(f"GET {self.settings.url}{path} answered HTTP {response.status_code}; "
-                           "is --url an `autotune serve` server?")
+            raise RemoteError(f"GET {self.settings.url}{path} answered HTTP {response.status_code}; "
+                              "is --url an `autotune serve` server?")
         return _body(response, f"GET {self.settings.url}{path}")
 
     def model_name(self) -> str:
@@ -190,7 +189,7 @@ class ReplayClient:
         if self.settings.model is not None:
             return self.settings.model
         if not names or not isinstance(names[0], str):
-            raise CliError(f"{self.settings.url}/v1/models lists no model; pass --model NAME")
+            raise RemoteError(f"{self.settings.url}/v1/models lists no model; pass --model NAME")
         return names[0]
 
     def route_retunes(self) -> dict[str, int] | None:
@@ -216,11 +215,11 @@ class ReplayClient:
         try:
             response = self.http.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
-            raise CliError(f"request {request.index} ({mode}) to {self.settings.url} failed "
-                           f"({type(exc).__name__}: {exc}); is the server still up?") from None
+            raise RemoteError(f"request {request.index} ({mode}) to {self.settings.url} failed "
+                              f"({type(exc).__name__}: {exc}); is the server still up?") from None
         if response.status_code != 200:
-            raise CliError(f"request {request.index} ({request.prompt.id}, mode {mode}) answered HTTP "
-                           f"{response.status_code}: {_error_message(response)}")
+            raise RemoteError(f"request {request.index} ({request.prompt.id}, mode {mode}) answered HTTP "
+                              f"{response.status_code}: {_error_message(response)}")
         return ReplayRecord.from_response(request, mode, _body(response, f"request {request.index} ({mode})"))
 
 

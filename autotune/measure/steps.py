@@ -12,7 +12,7 @@ def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
     step costs timed now, on this machine, with random weights of the stored model's shape (the
     stored acceptance; a draft model's depth timed at each batch size, prompt lookup free). It
     only transfers to the hardware the strategy was tuned on, so any other machine is refused."""
-    from autotune.errors import CliError
+    from autotune.errors import ExportError
     from autotune.store.hardware import hardware_fingerprint
     from autotune.tuning.load import DEFAULT_ACCEPTANCE, SCHEDULE_BATCHES, StepCost, batch_schedule, strategy_rows
     from runtime.pipeline import ModelPool, verify_packing
@@ -21,10 +21,10 @@ def vllm_batch_schedule(stored: object, device: str = "cpu") -> dict[str, int]:
     key, strategy = stored.key, stored.strategy  # type: ignore[attr-defined]
     here = hardware_fingerprint(device)
     if key.hardware != here:
-        raise CliError(f"strategy {stored.id} was tuned on '{key.hardware}' and this machine is '{here}': a batch "  # type: ignore[attr-defined]
-                       "schedule only transfers to the hardware it was measured on; export it there")
+        raise ExportError(f"strategy {stored.id} was tuned on '{key.hardware}' and this machine is '{here}': a batch "  # type: ignore[attr-defined]
+                          "schedule only transfers to the hardware it was measured on; export it there")
     if not strategy.speculates:
-        raise CliError(f"strategy {stored.id} is plain decoding: there is no draft length to schedule")  # type: ignore[attr-defined]
+        raise ExportError(f"strategy {stored.id} is plain decoding: there is no draft length to schedule")  # type: ignore[attr-defined]
     name, _, rest = key.model_id.partition("@")
     precision = rest.partition("#")[2] or "float32"
     pool = ModelPool(device=device, random_weights=True)

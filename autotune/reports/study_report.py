@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import CliError
+from autotune.errors import StorageError
 
 
 def study_names(optuna_storage: Any, shown_url: str) -> list[str]:
@@ -19,7 +19,7 @@ def study_names(optuna_storage: Any, shown_url: str) -> list[str]:
 
     names = sorted(optuna.get_all_study_names(storage=optuna_storage))
     if not names:
-        raise CliError(f"no studies in {shown_url}; run `autotune study` first (or pass --storage)")
+        raise StorageError(f"no studies in {shown_url}; run `autotune study` first (or pass --storage)")
     return names
 
 

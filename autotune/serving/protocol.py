@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-STRATEGY_CHOICES = ("auto", "plain", "default")  # or a stored strategy id (autotune strategies list)
+from autotune.choices import STRATEGY_CHOICES  # or a stored strategy id (autotune strategies list)
+
 MAX_ID = 2**63 - 1  # store ids and seeds are signed 64-bit integers (SQLite, PostgreSQL, torch)
 MAX_STOPS, MAX_STOP_CHARS = 64, 256  # each stop string is searched for after every round
 # OpenAI features this server does not implement; a request that turns one on is refused by name

@@ -30,7 +30,7 @@ from typing import Any
 import optuna
 from tqdm import tqdm
 
-from autotune.errors import CliError, StorageError
+from autotune.errors import SettingError, StorageError
 from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
 from autotune.tuning.cost_model import MeasuredCostModel
@@ -64,9 +64,9 @@ def reference_space(draft: str | None) -> str:
 def check_space_choice(space: SearchSpace, draft: str | None) -> None:
     """Whether ``space`` can be tuned online with (or without) a draft model; fails before any load."""
     if space.drafter == "draft-model" and draft is None:
-        raise CliError(f"search space '{space.name}' tunes a draft model; pass --draft MODEL")
+        raise SettingError(f"search space '{space.name}' tunes a draft model; pass --draft MODEL")
     if space.drafter == "layer-skip" and draft is not None:
-        raise CliError(f"search space '{space.name}' drafts with the target itself; drop --draft")
+        raise SettingError(f"search space '{space.name}' drafts with the target itself; drop --draft")
 
 
 def space_context(space: SearchSpace, target: LoadedModel, draft: LoadedModel | None, skip_ratio: float) -> SpaceContext:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.errors import CliError
+from autotune.errors import MethodError
 from autotune.measure.bench import BenchContext, _lookup_strategy, _sd_strategy, _tree_strategy, parse_method
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, Strategy
 
@@ -26,7 +26,7 @@ def test_length_and_tree_options_shape_each_method():
 
 @pytest.mark.parametrize("spec", ["sd:k0", "sd:kx", "sd-tree:t2-0", "tuned:db=/no/such/file.db"])
 def test_bad_options_are_one_clear_error(spec):
-    with pytest.raises(CliError, match="bad option"):
+    with pytest.raises(MethodError, match="bad option"):
         parse_method(spec)
 
 
@@ -35,9 +35,9 @@ def test_lookup_option_is_for_draft_model_methods_only():
     assert _tree_strategy(ctx_for("sd-tree:t2-1-1-1:lookup")).lookup_first
     assert not _sd_strategy(ctx_for("sd")).lookup_first
     for spec in ("lookup:lookup", "selfspec:lookup", "tuned:lookup", "vanilla:lookup"):
-        with pytest.raises(CliError, match="only the draft-model methods"):
+        with pytest.raises(MethodError, match="only the draft-model methods"):
             parse_method(spec)
-    with pytest.raises(CliError, match="bad option"):
+    with pytest.raises(MethodError, match="bad option"):
         parse_method("sd:lookup2")
 
 

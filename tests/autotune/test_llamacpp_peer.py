@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from autotune.errors import CliError
+from autotune.errors import MethodError
 from autotune.measure import peers
 from autotune.measure.bench import METHODS, format_table, parse_method
 from runtime.decoding import GenerationConfig
@@ -163,7 +163,7 @@ def test_peers_are_bench_methods():
 
 def test_without_the_build_a_peer_is_one_line_error_saying_make_peers(tmp_path, monkeypatch, capsys, no_model_loads):
     monkeypatch.setenv(peers.ENV_DIR, str(tmp_path / "none"))
-    with pytest.raises(CliError, match="make peers"):
+    with pytest.raises(MethodError, match="make peers"):
         peers.find_tool()
     code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--task", "humaneval", "--methods",
                        "vanilla,llamacpp")
@@ -201,7 +201,7 @@ def _built() -> bool:
     try:
         peers.find_tool()
         peers.find_tool(peers.TOKENIZE_TOOL)
-    except CliError:
+    except MethodError:
         return False
     return True
 

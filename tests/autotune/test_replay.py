@@ -13,7 +13,7 @@ import pytest
 
 import autotune.cli.main
 import autotune.cli.replay
-from autotune.errors import CliError
+from autotune.errors import MethodError, SettingError
 from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
 from autotune.reports.replay_report import aggregate, category_bands, clustering, format_table, identical, replay_plot, \
     row, switches
@@ -161,12 +161,12 @@ def test_replay_sends_in_schedule_order() -> None:
 def test_modes_and_urls() -> None:
     assert parse_modes("auto, plain,12") == ("auto", "plain", "12")
     for bad, needle in [("auto,fast", "unknown mode 'fast'"), ("auto,auto", "listed twice"), (" , ", "comma list")]:
-        with pytest.raises(CliError, match=needle):
+        with pytest.raises(MethodError, match=needle):
             parse_modes(bad)
     assert base_url("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
-    with pytest.raises(CliError, match="--url must be an http"):
+    with pytest.raises(SettingError, match="--url must be an http"):
         base_url("127.0.0.1:8000")
-    with pytest.raises(CliError, match="concurrency must be at least 1"):
+    with pytest.raises(SettingError, match="concurrency must be at least 1"):
         ReplaySettings(url="http://x", concurrency=0)
 
 
