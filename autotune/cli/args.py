@@ -7,6 +7,7 @@ differ in defaults, required-ness and help, not in what a flag means.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,19 @@ STRATEGY_FLAGS: dict[str, dict[str, Any]] = {
     "tree_widths": {"help": "draft a token tree: children per node at each depth, e.g. 4,2,2,1,1"},
     "dynamic_widths": {"help": "SWIFT dynamic verification table: 'swift' or P:K,P:K,... (last P = 1)"},
 }
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``: a flag whose default is a setting's reads it
+    here, so the two cannot drift."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise ValueError(f"{cls.__name__} has no field {name!r}")
 
 
 def add_flags(p: Any, table: Mapping[str, Mapping[str, Any]], names: Sequence[str] | None = None,

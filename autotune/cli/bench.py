@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args
+from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args, field_default
 from autotune.cli.inputs import (
     check_common, check_prompts_fit, fitting_prompts, generation_config, load_models, prompt_items,
 )
@@ -21,6 +21,8 @@ METHODS_HELP = (
 
 
 def add_parser(sub: Any) -> None:
+    from autotune.measure.bench import BenchContext
+
     p = sub.add_parser("bench", help="compare decoding methods side by side on one task")
     add_model_args(p)
     add_prompt_args(p, ["task", "data", "limit", "offset", "max_new_tokens"])
@@ -37,8 +39,10 @@ def add_parser(sub: Any) -> None:
         "--shared-width", action="store_true",
         help="pad every speculative method's verify pass to the widest one (one packed target copy in RAM)",
     )
-    p.add_argument("--lp-size", type=int, default=4, help="EasySpec layer-parallel size for method easyspec")
-    p.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT uniform skip ratio for method selfspec")
+    p.add_argument("--lp-size", type=int, default=field_default(BenchContext, "lp_size"),
+                   help="EasySpec layer-parallel size for method easyspec (default %(default)s)")
+    p.add_argument("--skip-ratio", type=float, default=field_default(BenchContext, "skip_ratio"),
+                   help="SWIFT uniform skip ratio for method selfspec (default %(default)s)")
     p.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
     p.add_argument("--plot", type=Path, metavar="FILE", help="draw the methods side by side into this PNG")
 

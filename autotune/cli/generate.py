@@ -6,21 +6,27 @@ import json
 import sys
 from typing import Any
 
-from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args
+from autotune.cli.args import add_model_args, add_prompt_args, add_strategy_args, field_default
 from autotune.cli.inputs import (
     check_common, check_strategy_choice, generation_config, load_models, prompt_items, tokenize,
 )
 
 
 def add_parser(sub: Any) -> None:
+    from runtime.decoding import GenerationConfig
+    from runtime.sampling import SamplingParams
+
     p = sub.add_parser("generate", help="generate text (speculatively when --draft is given)")
     add_model_args(p)
     add_prompt_args(p, limit={"default": None})
     add_strategy_args(p)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=field_default(SamplingParams, "temperature"),
+                   help="0 decodes greedily (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=field_default(SamplingParams, "top_p"),
+                   help="nucleus sampling; 1 disables (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=field_default(SamplingParams, "top_k"),
+                   help="keep the k most likely tokens; 0 disables (default %(default)s)")
+    p.add_argument("--seed", type=int, default=field_default(GenerationConfig, "seed"))
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument(
         "--strategy", help="best (stored for this model, draft, task and hardware), default, or a strategy JSON file"

@@ -40,16 +40,13 @@ def generation_config(args: argparse.Namespace, eos: tuple[int, ...]) -> Any:
     from runtime.decoding import GenerationConfig
     from runtime.sampling import SamplingParams
 
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p") if hasattr(args, name)}
     try:
-        sampling = SamplingParams(
-            temperature=getattr(args, "temperature", 0.0), top_k=getattr(args, "top_k", 0),
-            top_p=getattr(args, "top_p", 1.0),
-        )
+        sampling = SamplingParams(**given)  # a command without sampling flags: the defaults (greedy)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    return GenerationConfig(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=getattr(args, "seed", 0), eos_token_ids=eos
-    )
+    seed = {"seed": args.seed} if hasattr(args, "seed") else {}
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_token_ids=eos, **seed)
 
 
 def fitting_prompts(args: argparse.Namespace, pool: Any, target: Any, items: list[Any]) -> tuple[list[Any], Any]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune.cli.args import field_default
 from autotune.cli.replay import stream_from_args
 from autotune.errors import CliError
 from autotune.measure.replay import ReplaySettings, parse_modes
@@ -24,25 +25,27 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--limit", type=int, help="take only the stream's first N requests")
     p.add_argument("--requests-per-client", type=int, default=2, metavar="N",
                    help="each point sends N x its concurrency requests, the stream's first ones taken one "
-                        "category at a time in turn (default 2)")
+                        "category at a time in turn (default %(default)s)")
     p.add_argument("--min-requests", type=int, default=8, metavar="N",
-                   help="each point sends at least N requests (default 8: the mixed stream's four categories "
-                        "twice), so a point of few clients is not decided by one or two prompts")
+                   help="each point sends at least N requests (default %(default)s: the mixed stream's four "
+                        "categories twice), so a point of few clients is not decided by one or two prompts")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="measure every mode N times at each concurrency, the modes in turn and each round in a "
-                        "rotated order, and pool a mode's rounds into its point (default 1); the table shows "
+                        "rotated order, and pool a mode's rounds into its point (default %(default)s); the table shows "
                         "each round's tok/s, the point's noise")
     p.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="before a server's first point, send N requests per mode from one client, not measured "
-                        "(default 1; 0: none): a fresh server's first requests run slower")
+                        "(default %(default)s; 0: none): a fresh server's first requests run slower")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
-                   "strategy ids (default plain,default,auto)")
+                   "strategy ids (default %(default)s)")
     p.add_argument("--compare", metavar="MODE",
                    help="set MODE against the best other mode at each concurrency: pooled ratio, each round's "
                         "ratio and a 95%% interval over the rounds (default: auto, when measured)")
-    p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
-    p.add_argument("--max-tokens", type=int, default=96, help="completion tokens per request (default 96)")
-    p.add_argument("--timeout", type=float, default=ReplaySettings.timeout_s, help="seconds to wait for one response")
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=field_default(ReplaySettings, "max_tokens"),
+                   help="completion tokens per request (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=field_default(ReplaySettings, "timeout_s"),
+                   help="seconds to wait for one response (default %(default)s)")
     p.add_argument("--json", dest="json_out", type=Path, help="write the points to this file")
     p.add_argument("--plot", type=Path, metavar="FILE.png", help="draw throughput and latency against concurrency")
     p.add_argument("--also", type=Path, action="append", default=[], metavar="FILE.json",

@@ -5,11 +5,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.args import add_model_args, int_list
+from autotune.cli.args import add_model_args, field_default, int_list
 from autotune.errors import CliError
 
 
 def add_parser(sub: Any) -> None:
+    from autotune.measure.profile_settings import ProfileSettings
+
+    def csv(name: str) -> str:
+        return ",".join(map(str, field_default(ProfileSettings, name)))
+
     p = sub.add_parser("profile", help="time our runtime's plain, verify-by-width and draft-by-plan steps")
     add_model_args(p, ["model", "draft", "device", "precision"],
                    draft={"help": "draft model (default: the target drafts for itself)"},
@@ -18,21 +23,23 @@ def add_parser(sub: Any) -> None:
                                       "measured on CPU, bfloat16 on CUDA); one table each, then a comparison by rows"})
     p.add_argument("--random-weights", action="store_true",
                    help="build the models from their configs with random weights (no weights needed)")
-    p.add_argument("--widths", help="verify widths (rows) to time, e.g. 1,8 (default: 1 to 64 in powers of two)")
-    p.add_argument("--lp-size", help="EasySpec layer-parallel sizes for the draft step, e.g. 4 (default: 2,3,4)")
-    p.add_argument("--min-time", type=float, help="seconds to time each step for, at least (default: 0.5)")
+    p.add_argument("--widths", default=csv("widths"), help="verify widths (rows) to time, e.g. 1,8 (default: %(default)s)")
+    p.add_argument("--lp-size", default=csv("lp_sizes"),
+                   help="EasySpec layer-parallel sizes for the draft step, e.g. 4 (default: %(default)s)")
+    p.add_argument("--min-time", type=float, default=field_default(ProfileSettings, "min_run_time"),
+                   help="seconds to time each step for, at least (default: %(default)s)")
     add_model_args(p, ["compile"], compile={"help": "time compiled steps (torch.compile; CUDA graphs on CUDA)"})
     p.add_argument("--json", dest="json_out", type=Path, help="write the report to this file")
 
 
 def run(args: argparse.Namespace) -> int:
     from autotune.measure.bench import write_report
-    from autotune.measure.profile import ProfileSettings, format_comparison, format_table, run_profile
+    from autotune.measure.profile import format_comparison, format_table, run_profile
+    from autotune.measure.profile_settings import ProfileSettings
 
     given = {"widths": ("--widths", args.widths), "lp_sizes": ("--lp-size", args.lp_size)}
     sizes = {k: tuple(int_list(flag, text)) for k, (flag, text) in given.items() if text}
-    timing = {"min_run_time": args.min_time} if args.min_time is not None else {}
-    settings = ProfileSettings(**sizes, **timing, compile=args.compile)
+    settings = ProfileSettings(**sizes, min_run_time=args.min_time, compile=args.compile)
     from runtime.pipeline import ModelPool
 
     names = [name.strip() for name in args.precision.split(",") if name.strip()]

@@ -11,8 +11,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from autotune.cli.args import field_default
 from autotune.errors import CliError
-from autotune.measure.replay import DEFAULT_MODES, ReplayClient, ReplayRecord, ReplaySettings, parse_modes, replay
+from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, parse_modes, replay
 from studies import stream
 from studies.stream import StreamRequest
 
@@ -25,12 +26,16 @@ def add_parser(sub: Any) -> None:
                                                    "of {category, messages | prompt} rows")
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to request (default: the one the server lists)")
-    p.add_argument("--mode", default=",".join(DEFAULT_MODES), help="comma list of auto, plain, default or stored "
-                   f"strategy ids; each request is sent in every mode (default {','.join(DEFAULT_MODES)})")
-    p.add_argument("--concurrency", type=int, help=f"requests in flight at once (default {ReplaySettings.concurrency})")
-    p.add_argument("--max-tokens", type=int, help=f"completion tokens per request (default {ReplaySettings.max_tokens})")
+    p.add_argument("--mode", default=",".join(field_default(ReplaySettings, "modes")),
+                   help="comma list of auto, plain, default or stored strategy ids; each request is sent in every "
+                        "mode (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=field_default(ReplaySettings, "concurrency"),
+                   help="requests in flight at once (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=field_default(ReplaySettings, "max_tokens"),
+                   help="completion tokens per request (default %(default)s)")
     p.add_argument("--limit", type=int, help="send only the stream's first N requests")
-    p.add_argument("--timeout", type=float, help=f"seconds to wait for one response (default {ReplaySettings.timeout_s:g})")
+    p.add_argument("--timeout", type=float, default=field_default(ReplaySettings, "timeout_s"),
+                   help="seconds to wait for one response (default %(default)s)")
     mixed = p.add_argument_group("the mixed stream")
     mixed.add_argument("--tasks", help=f"comma list of tasks (default {','.join(stream.DEFAULT_MIXED_TASKS)})")
     mixed.add_argument("--block", type=int, help=f"requests in a row from one task (default {stream.DEFAULT_BLOCK})")
@@ -78,9 +83,8 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     from autotune.reports.replay_report import aggregate, format_table, write_json
 
-    given = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "timeout_s": args.timeout}
     settings = ReplaySettings(url=args.url, model=args.model, modes=parse_modes(args.mode),
-                              **{k: v for k, v in given.items() if v is not None})  # the rest: ReplaySettings' defaults
+                              concurrency=args.concurrency, max_tokens=args.max_tokens, timeout_s=args.timeout)
     requests = stream_from_args(args)
     with ReplayClient(settings) as client:
         model = client.model_name()

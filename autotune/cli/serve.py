@@ -5,11 +5,11 @@ import argparse
 import os
 from typing import Any
 
-from autotune.cli.args import add_model_args
+from autotune.cli.args import add_model_args, field_default
 from autotune.errors import CliError
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
 from autotune.serving.limits import API_KEY_ENV, Limits
-from autotune.serving.server import GRACE_S
+from autotune.serving.server import ServeConfig
 from runtime.decoding import GenerationConfig
 
 
@@ -17,9 +17,10 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server that routes each request to its task's strategy")
     add_model_args(p)
     p.add_argument("--storage", help="strategy store URL (default: $AUTOTUNE_STORAGE or a local SQLite file)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
+    p.add_argument("--host", default=field_default(ServeConfig, "host"))
+    p.add_argument("--port", type=int, default=field_default(ServeConfig, "port"))
+    p.add_argument("--max-queue", type=int, default=field_default(ServeConfig, "max_queue"),
+                   help="requests waiting beyond this get 503 + Retry-After (default %(default)s)")
     p.add_argument("--max-batch", type=int, metavar="N",
                    help="requests decoded side by side (continuous batching; default: what memory allows for "
                         "--max-context, at most 16; 1 decodes one request at a time)")
@@ -28,14 +29,15 @@ def add_parser(sub: Any) -> None:
                         "drafted); drafts shrink to fit (default: no limit)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
                    help="a longer prompt is prefilled in forwards of this many tokens, the running requests "
-                        f"stepping between them (default: {GenerationConfig.prefill_chunk}, as llama.cpp's n_ubatch)")
+                        f"stepping between them (default: {field_default(GenerationConfig, 'prefill_chunk')}, as "
+                        "llama.cpp's n_ubatch)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
                    help="prompt + max_tokens of one request (default: the model's context); longer requests get a 400")
     p.add_argument("--route-distance", type=float,
                    help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
-    p.add_argument("--grace", type=float, default=GRACE_S, metavar="S",
+    p.add_argument("--grace", type=float, default=field_default(ServeConfig, "grace_s"), metavar="S",
                    help="on SIGTERM the waiting requests get 503 at once and the running one has S seconds "
-                        f"to finish before it is stopped; then the process exits 0 (default {GRACE_S:g})")
+                        "to finish before it is stopped; then the process exits 0 (default %(default)s)")
     p.add_argument("--no-request-control", dest="request_control", action="store_false",
                    help="routed requests keep their route's strategy to the end (default: each request switches, "
                         "between rounds, to what its own tokens show is fastest, and stops speculating where that "
@@ -49,37 +51,38 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--api-key", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* (/health and /metrics stay open; "
                              f"default: ${API_KEY_ENV}, else no key)")
-    limits.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
-                        help=f"a larger request body gets 413 unread (default {Limits.max_body_bytes})")
-    limits.add_argument("--request-timeout", type=float, default=Limits.request_timeout_s, metavar="S",
+    limits.add_argument("--max-body-bytes", type=int, default=field_default(Limits, "max_body_bytes"),
+                        help="a larger request body gets 413 unread (default %(default)s)")
+    limits.add_argument("--request-timeout", type=float, default=field_default(Limits, "request_timeout_s"),
+                        metavar="S",
                         help="a request still waiting or decoding after S seconds gets 504 and is stopped "
-                             f"(default {Limits.request_timeout_s:g})")
+                             "(default %(default)s)")
 
 
 def _add_adaptive_args(p: argparse.ArgumentParser) -> None:
     adapt = p.add_argument_group("adaptive serving (drift detection, re-tuning on live traffic, new routes)")
     adapt.add_argument("--adaptive", action="store_true",
                        help="watch each route's acceptance and speed; fall back to plain and re-tune on drift")
-    adapt.add_argument("--acceptance-drop", type=float, default=AdaptDefaults.acceptance_drop,
+    adapt.add_argument("--acceptance-drop", type=float, default=field_default(AdaptDefaults, "acceptance_drop"),
                        help="re-tune a route whose acceptance falls below (1 - this) x its stored acceptance "
-                            f"(default {AdaptDefaults.acceptance_drop})")
-    adapt.add_argument("--retune-requests", type=int, default=AdaptDefaults.retune_requests,
-                       help=f"requests a re-tune decodes with the online tuner (default {AdaptDefaults.retune_requests})")
-    adapt.add_argument("--retune-share", type=float, default=AdaptDefaults.retune_share,
-                       help=f"cap on a re-tune's tuning time, as a share of its decode time "
-                            f"(default {AdaptDefaults.retune_share})")
-    adapt.add_argument("--new-route-requests", type=int, default=AdaptDefaults.new_route_requests,
+                            "(default %(default)s)")
+    adapt.add_argument("--retune-requests", type=int, default=field_default(AdaptDefaults, "retune_requests"),
+                       help="requests a re-tune decodes with the online tuner (default %(default)s)")
+    adapt.add_argument("--retune-share", type=float, default=field_default(AdaptDefaults, "retune_share"),
+                       help="cap on a re-tune's tuning time, as a share of its decode time (default %(default)s)")
+    adapt.add_argument("--new-route-requests", type=int, default=field_default(AdaptDefaults, "new_route_requests"),
                        help="unknown requests of one topic (a pending cluster) that become a new route "
-                            f"(default {AdaptDefaults.new_route_requests})")
-    adapt.add_argument("--max-routes", type=int, default=AdaptDefaults.max_routes,
+                            "(default %(default)s)")
+    adapt.add_argument("--max-routes", type=int, default=field_default(AdaptDefaults, "max_routes"),
                        help="routes created from unknown traffic, at most (per model, draft and hardware; "
-                            f"default {AdaptDefaults.max_routes})")
+                            "default %(default)s)")
     adapt.add_argument("--store-prompts", action="store_true",
                        help="store the text of the requests a route was re-tuned or created on (default: only "
                             "their hashed word counts, enough to route by, not to read)")
-    adapt.add_argument("--recheck-plain-requests", type=int, default=AdaptDefaults.recheck_plain_requests,
+    adapt.add_argument("--recheck-plain-requests", type=int,
+                       default=field_default(AdaptDefaults, "recheck_plain_requests"),
                        help="requests a route stored as plain serves before it re-checks whether speculation "
-                            f"pays (default {AdaptDefaults.recheck_plain_requests})")
+                            "pays (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,17 +3,23 @@ study's summary (and with --plot, its plots)."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.cli.args import add_model_args, add_prompt_args
+from autotune.cli.args import add_model_args, add_prompt_args, field_default
 from autotune.cli.inputs import check_common, fitting_prompts, prompt_items
 from autotune.errors import CliError
+from autotune.reports.study_table import format_study
 
 
 def add_parser(sub: Any) -> None:
+    from autotune.tuning.tuner_state import TunerSettings
+    from search_spaces.spaces import SpaceContext
+
+    def tuner(name: str) -> Any:
+        return field_default(TunerSettings, name)
+
     p = sub.add_parser("study", help="decode a task while tuning the strategy online; store the best")
     add_model_args(p, ["model", "draft", "precision", "device"],
                    model={"required": False,
@@ -26,14 +32,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--storage", help="SQLAlchemy URL (default: $AUTOTUNE_STORAGE or a SQLite file in the user data dir)")
     p.add_argument("--space", help="search space: auto (default: plain / prompt lookup / the draft model, or the "
                    "target skipping layers without --draft), layer-skip, layer-skip-free, easyspec, draft, lookup")
-    p.add_argument("--trials", type=int, help="stop tuning after this many trials (S; default 1000)")
-    p.add_argument("--patience", type=int, help="stop after this many trials without a new racer (default 300)")
-    p.add_argument("--window", type=int, help="generated tokens each candidate is scored on (gamma; default 32)")
-    p.add_argument("--beta", type=int, help="every beta-th sampled (not enqueued) trial is Bayesian (default 2)")
-    p.add_argument("--stop-matchness", type=float, help="stop tuning once the best matchness reaches this (0..1]")
-    p.add_argument("--max-share", type=float, help="cap on tuning time as a share of decode time (default 0.02)")
-    p.add_argument("--skip-ratio", type=float, default=0.45, help="SWIFT skip ratio of the layer-skip space")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trials", type=int, default=tuner("max_trials"),
+                   help="stop tuning after this many trials (S; default %(default)s)")
+    p.add_argument("--patience", type=int, default=tuner("patience"),
+                   help="stop after this many trials without a new racer (default %(default)s)")
+    p.add_argument("--window", type=int, default=tuner("window"),
+                   help="generated tokens each candidate is scored on (gamma; default %(default)s)")
+    p.add_argument("--beta", type=int, default=tuner("beta"),
+                   help="every beta-th sampled (not enqueued) trial is Bayesian (default %(default)s)")
+    p.add_argument("--stop-matchness", type=float, default=tuner("match_threshold"),
+                   help="stop tuning once the best matchness reaches this (0..1]; default: never")
+    p.add_argument("--max-share", type=float, default=tuner("max_share"),
+                   help="cap on tuning time as a share of decode time (default %(default)s)")
+    p.add_argument("--skip-ratio", type=float, default=field_default(SpaceContext, "skip_ratio"),
+                   help="SWIFT skip ratio of the layer-skip space (default %(default)s)")
+    p.add_argument("--seed", type=int, default=tuner("seed"))
     p.add_argument("--json", dest="json_out", type=Path, help="write the study report to this file")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write the study's plots and an index.html into DIR")
     p.add_argument("--baseline", action="store_true",
@@ -72,16 +85,15 @@ def _study_defaults(args: argparse.Namespace) -> None:
 def _space_and_settings(args: argparse.Namespace) -> tuple[Any, Any]:
     """The search space (checked against --draft) and the tuner settings the flags give."""
     from autotune.tuning.study import check_space_choice, default_space
-    from autotune.tuning.tuner import TunerSettings
+    from autotune.tuning.tuner_state import TunerSettings
     from search_spaces.spaces import get_space
 
     space = get_space(args.space or default_space(args.draft))
     check_space_choice(space, args.draft)
     if not 0.0 <= args.skip_ratio < 1.0:
         raise CliError(f"--skip-ratio must be in [0, 1), got {args.skip_ratio}")
-    given = {"window": args.window, "beta": args.beta, "max_trials": args.trials, "patience": args.patience,
-             "seed": args.seed, "match_threshold": args.stop_matchness, "max_share": args.max_share}
-    return space, TunerSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: their defaults
+    return space, TunerSettings(window=args.window, beta=args.beta, max_trials=args.trials, patience=args.patience,
+                                seed=args.seed, match_threshold=args.stop_matchness, max_share=args.max_share)
 
 
 def _run_study(args: argparse.Namespace, space: Any, settings: Any) -> Any:
@@ -112,130 +124,3 @@ def _plot(storage_url: str | None, name: str, out_dir: Path) -> Path:
 
     with open_storage(storage_url) as storage:
         return plot_loaded(storage.optuna_storage(), name, out_dir)
-
-
-def format_study(report: Any) -> str:
-    from rich.console import Console
-    from rich.table import Table
-
-    from autotune.tuning.heldout import describe
-
-    t = report.tuner
-    table = Table(title=f"study {report.name}", show_header=False)
-    table.add_column("field")
-    table.add_column("value", overflow="fold")
-    plain_pred = t.get("plain_predicted_tps")
-    stored = report.stored_reason
-    rows = [
-        ("best strategy", f"{report.best.to_json()} (the tuner's incumbent, tuned on {report.tuned_prompts} prompt(s))"),
-        ("uniform (start)", report.uniform.to_json()),
-        ("trials", f"{t['trials']} ({t['stop_reason']})"),
-        ("best matchness", f"{t['best_matchness']:.3f}"),
-        ("predicted tok/s", f"{t['best_predicted_tps']:.2f}" + (f" (plain {plain_pred:.2f})" if plain_pred else "")
-         + _in_sample_text(report)),
-        ("held-out speedup", _held_out_text(report)),
-        ("candidates", _candidates_text(report)),
-        ("predicted / measured", _ratio_text(t.get("stored") or {})),
-        ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning "
-                         f"({t['trials']} trials, {t.get('bayes_trials', 0)} Bayesian, "
-                         f"{t.get('measured_trials', 0)} measured; "
-                         f"{t.get('swept', 0)} grid points swept on {t.get('windows', 0)} windows); one-time: "
-                         + _costs_text(t)),
-        ("while tuning", _while_tuning_text(report)),
-        ("stored", f"{describe(report.chosen)}: {stored} in {report.storage_url} (history row {report.history_id})"),
-        ("precision", _precision_text(report.extra.get("precision"))),
-    ]
-    for k, v in rows:
-        table.add_row(k, v)
-    console = Console(width=120, record=True)
-    with console.capture() as cap:
-        console.print(table)
-    return cap.get()
-
-
-def _costs_text(t: dict[str, Any]) -> str:
-    """Where the cost model's timings came from, and what timing them cost (once per models and machine)."""
-    if t.get("costs") == "kept":
-        return f"cost model from the store ({t.get('calibration_s', 0.0):.1f} s timing plans first priced)"
-    return f"{t.get('calibration_s', 0.0):.1f} s timing the cost model (kept in the store for the next study)"
-
-
-def _in_sample_text(report: Any) -> str:
-    ins = report.in_sample_speedup
-    return f"; {ins:.2f}x plain in-sample (predicted on the prompts it tuned on)" if ins else ""
-
-
-def _held_out_text(report: Any) -> str:
-    """The stored strategy's speed-up over plain decoding on prompts the tuner never saw, and how
-    much that check is worth."""
-    from autotune.tuning.heldout import INTERVAL, rests_on
-
-    v = report.verdict
-    n = len(v.plain.runs)
-    text = (f"{report.speedup:.2f}x ({report.chosen_tps:.2f} tok/s vs plain {report.plain_tps:.2f}, "
-            f"{n} prompt(s), outputs {'identical' if report.identical else 'DIFFERENT'})")
-    if v.in_sample:
-        return text + "; IN-SAMPLE: one prompt, nothing held out of tuning (--limit 2 or more holds prompts out)"
-    if n == 1:
-        return text + "; held out of tuning, but one prompt is a weak check (--limit 10 holds out 3)"
-    band = v.interval
-    if band is not None and report.chosen.speculates:
-        text += f"; {100 * INTERVAL:.0f}% interval {band[0]:.2f}-{band[1]:.2f}x"
-    return text + f"; on prompts held out of tuning; rests on {rests_on(v)}"
-
-
-def _candidates_text(report: Any) -> str:
-    """Each candidate of the held-out judgement: its speed-up and its lower bound (as stored)."""
-    from autotune.tuning.heldout import describe
-
-    parts = []
-    for c, d in zip(report.verdict.candidates[1:], report.verdict.as_dict()["candidates"][1:]):
-        shown = f"{math.exp(d['bound']):.2f}x" if d["bound"] > -math.inf else "-"
-        parts.append(f"{c.label} ({describe(c.strategy)}): {d['speedup']:.2f}x "
-                     f"(bound {shown}{'' if c.identical else ', output DIFFERED'})")
-    return "; ".join(parts) or "none (the tuner kept plain decoding and scored nothing else)"
-
-
-def _precision_text(info: dict[str, Any] | None) -> str:
-    """The precision tuned at, and the fastest one predicted for the stored strategy and for plain."""
-    if not info:
-        return "-"
-    from runtime.auto_precision import CANDIDATES
-    from runtime.precision import auto_precision
-
-    est = {e["precision"]: e for e in info["estimates"]}
-    fastest, plain = info["fastest"], info["fastest_plain"]
-    text = f"tuned at {info['precision']}"
-    if info["precision"] in CANDIDATES and info["precision"] == auto_precision("cpu"):  # CPU-only precisions
-        text += (f" (auto on this CPU: of {', '.join(CANDIDATES)}, whose speculation is exact relative to their plain "
-                 "decoding, the one whose kernels ran a plain step and an 8-row verify fastest)")
-    text += (f"; predicted fastest here: {fastest} for the stored strategy ({est[fastest]['chosen_tps']:.1f} tok/s), "
-             f"{plain} for plain decoding ({est[plain]['plain_tps']:.1f} tok/s)")
-    if fastest != info["precision"]:
-        text += f"; tune at --precision {fastest} to check"
-    return text
-
-
-def _while_tuning_text(report: Any) -> str:
-    """Tokens/s over the study's prompts (prefill and tuning included), against plain decoding on
-    the same prompts when ``--baseline`` measured it."""
-    text = f"{report.tune_stats.tokens_per_s:.2f} tok/s"
-    b = report.baseline
-    if b is None:
-        return text + " (--baseline measures plain decoding on the same prompts)"
-    return (f"{text} vs plain {b.plain.tokens_per_s:.2f} on the same prompts, interleaved ({b.ratio:.2f}x); "
-            f"outputs {'identical' if b.identical else 'DIFFERENT'} on every prompt")
-
-
-def _ratio_text(stored: dict[str, Any]) -> str:
-    """The stored strategy's prediction against its decode-round speed on the held-out prompts:
-    priced on their own text (the cost model and the pricing of matches), and predicted from the
-    prompts tuned on (that and how far the task's text varies)."""
-    on = stored.get("on", "held-out prompts")
-    parts = []
-    if stored.get("ratio"):
-        parts.append(f"{stored['ratio']:.2f} (predicted {stored['predicted_tps']:.2f} tok/s on the {on}' own text, "
-                     f"decode rounds measured {stored['decode_tps']:.2f})")
-    if stored.get("task_ratio"):
-        parts.append(f"{stored['task_ratio']:.2f} from the prompts tuned on ({stored['task_predicted_tps']:.2f} tok/s)")
-    return "; ".join(parts) or "-"

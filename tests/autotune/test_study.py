@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from autotune.reports.study_table import strategy_in_words
 from autotune.store.storage import open_storage
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
@@ -73,6 +74,8 @@ def test_study_persists_a_strategy_that_generate_and_bench_load(capsys, tmp_path
     assert "vs plain" in out and "on the same prompts" in out
     assert report["tuner"]["trials"] >= 1 and 0 < report["tuning_share"] < 1
     assert "held-out speedup" in out and "tuning share" in out
+    # the first line says what was stored, in words; the incumbent and the rest follow in the table
+    assert out.splitlines()[0].startswith(f"stored: {strategy_in_words(Strategy.from_dict(report['chosen']))}")
     # one prompt: nothing could be held out of tuning, and the table says the check is in-sample
     assert report["heldout"]["in_sample"] is True and "IN-SAMPLE" in out
     with open_storage(store) as storage:
