@@ -301,14 +301,14 @@ def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request, 
     import os
     import time
 
-    import autotune.serving.adaptive.adaptive as adaptive
+    import autotune.serving.adaptive.results as results
     from autotune.serving.adaptive.retune import Retune, Run, timed
 
     def plain_wins(decoder, prompts, eos, tokens):
         run = timed(decoder, prompts, eos, tokens)
         return run if decoder.drafter is not None else Run(run.outputs, run.tokens, run.seconds / 100)
 
-    monkeypatch.setattr(adaptive, "timed", plain_wins)
+    monkeypatch.setattr(results, "timed", plain_wins)
     monkeypatch.setattr(Retune, "outcome", lambda self: (PLAIN, self.plain_tps() or 1.0, None, None))
 
     url = _pg_database(request.getfixturevalue("postgres_server"), f"autotune_replicas_{os.getpid()}")

@@ -189,7 +189,7 @@ def test_a_retune_replaces_the_best_only_when_it_measured_as_fast(pool, smollm, 
     replaces the best only when it was at least as fast (the timing of plain decoding is scaled
     100x either way, so the outcome does not hang on this machine's speeds); its history row is
     written either way."""
-    import autotune.serving.adaptive.adaptive as adaptive
+    import autotune.serving.adaptive.results as results
     from autotune.serving.adaptive.retune import Run, timed
 
     def scaled(decoder, prompts, eos, tokens):
@@ -198,7 +198,7 @@ def test_a_retune_replaces_the_best_only_when_it_measured_as_fast(pool, smollm, 
             return run
         return Run(run.outputs, run.tokens, run.seconds / 100 if faster else run.seconds * 100)
 
-    monkeypatch.setattr(adaptive, "timed", scaled)
+    monkeypatch.setattr(results, "timed", scaled)
     monkeypatch.setattr(Retune, "outcome", lambda self: (PLAIN, 10.0, None, None))
     url = f"sqlite:///{tmp_path / 'store.db'}"
     key = strategy_key(smollm, None, "humaneval", "cpu")
