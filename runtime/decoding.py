@@ -14,6 +14,7 @@ import torch
 from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
+from runtime.layout import Layout
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
@@ -193,7 +194,7 @@ class Decoder:
             started = time.perf_counter()
             ids = torch.tensor(prompt[at : at + chunk], device=self.target.device)
             with torch.inference_mode():  # never held across a yield: the caller's code runs there
-                logits = self.target(ids, seq.cache, logits_for=slice(-1, None), prompt_chunk=True)
+                logits = self.target(ids, seq.cache, Layout.chunk(), logits_for=slice(-1, None))
                 if at + chunk >= len(prompt):
                     seq.out.append(self._pick(logits[0], config.sampling, seq.gen))
                     for drafter in self._following():
@@ -379,7 +380,7 @@ class Decoder:
     ) -> tuple[list[int], list[int]]:
         """-> (accepted node indices, appended tokens)."""
         rows = self.rows(cur, draft, cache, as_tree=True)
-        logits = self.target(rows.ids, cache, positions=rows.positions, rel_mask=rows.rel_mask)[: rows.n].float()
+        logits = self.target(rows.ids, cache, Layout.block(rows.rel_mask, rows.positions))[: rows.n].float()
         return self.accept(rows, logits, draft, cache, params, gen)
 
     @staticmethod

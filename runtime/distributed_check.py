@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from runtime.kv_cache import KVCache
+from runtime.layout import Layout
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan, easyspec_plan
 
@@ -65,7 +66,7 @@ def greedy_draft(lm: CausalLM, prompt: list[int], n_new: int, plan: LayerPlan | 
     mask[:, :start] = True
     mask[:, start:] = torch.eye(TREE_WIDTH, dtype=torch.bool, device=dev)
     positions = torch.full((TREE_WIDTH,), start, dtype=torch.long, device=dev)
-    tree = lm(cand.to(dev), cache, positions=positions, mask=mask, plan=plan).float()
+    tree = lm(cand.to(dev), cache, Layout.explicit(mask, positions), plan=plan).float()
     return {"tokens": tokens, "logits": torch.stack(rows), "tree_logits": tree}
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from runtime.kv_cache import KVCache
+from runtime.layout import Layout
 from runtime.sampling import SamplingParams
 from search_spaces.strategy import Strategy
 
@@ -66,8 +67,8 @@ class Forward:
     plan: "LayerPlan | None" = None
 
     def run(self) -> torch.Tensor:
-        return self.model(self.tokens, self.cache, positions=self.positions, rel_mask=self.rel_mask,
-                          logits_for=self.logits_for, plan=self.plan)
+        layout = Layout(positions=self.positions, rel_mask=self.rel_mask)
+        return self.model(self.tokens, self.cache, layout, logits_for=self.logits_for, plan=self.plan)
 
 
 # a drafter's propose as steps: yields each Forward, is sent its logits, returns the Draft

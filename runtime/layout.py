@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention import InvariantRows, round_keys
+from runtime.kv_cache import KVCache
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +51,18 @@ class Layout:
         """Whether ``t`` rows after ``start`` cached ones run as a prefill (exact length, causal)."""
         plain = self.positions is None and self.rel_mask is None and self.mask is None
         return plain and (self.chunk_of_prompt or (start == 0 and t > 1))
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One sequence's rows in a batched forward (``CausalLM.forward_batch``): its own cache, its
+    own attention (causal, or a block ``rel_mask`` at ``positions``) and the rows that get logits."""
+
+    tokens: torch.Tensor  # [T] long
+    cache: KVCache
+    positions: torch.Tensor | None = None  # [T] rope positions; default cache.length + arange
+    rel_mask: torch.Tensor | None = None  # [T, R] bool over the last R slots (a tree), else causal
+    logits_for: slice | None = None  # which of its rows get logits (None: all)
 
 
 CHAIN = Layout()

@@ -4,7 +4,7 @@ holds only the math."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,14 +13,13 @@ from runtime.compiled import compile_step, cuda_graphs, note_step, run_step, ste
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, batched_group_rows
-from runtime.layout import CHAIN, Layout, invariant_rows
+from runtime.layout import CHAIN, BatchPart, Layout, invariant_rows
 from runtime.linear import Linear, row_way
 from runtime.linear import run_rows as run_linear_rows
 from runtime.slots import SlotView, slot_parts, slot_step
 from search_spaces.layer_plan import LayerPlan
 
-if TYPE_CHECKING:
-    from runtime.transformer import BatchPart, CausalLM
+CausalLM = Any  # a ``runtime.transformer.CausalLM`` (which imports this module)
 
 
 class StepRunner:
@@ -66,7 +65,6 @@ class StepRunner:
             cp = lm.compiled(LayerPlan(n_layers=lm.dims.n_layers))
         compiled = self.compiled is not None and not prefill and lm.recorder is None
         if compiled and cp is None and full is None and isinstance(cache, SlotView) and cuda_graphs(lm.device):
-            from runtime.transformer import BatchPart
             return slot_step(lm, cache.owner, [BatchPart(tokens, cache, layout.positions, layout.rel_mask, logits_for)])[0]
         args = (tokens, cache.slots(t), layout.positions, layout.rel_mask, full, cache, cp, logits_for,
                 start + t if prefill else None)

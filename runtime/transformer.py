@@ -22,7 +22,7 @@ from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.layout import CHAIN, Layout, invariant_rows
+from runtime.layout import CHAIN, BatchPart, Layout, invariant_rows
 from runtime.linear import (
     FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear,
     prefill_linear,
@@ -298,14 +298,11 @@ class CausalLM:
         return run(lin["down"], layer.mlp.act_fn(gate) * up)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout = CHAIN,
-                logits_for: slice | torch.Tensor | None = None, plan: LayerPlan | None = None,
-                **legacy: Any) -> torch.Tensor:
+                logits_for: slice | torch.Tensor | None = None, plan: LayerPlan | None = None) -> torch.Tensor:
         """Run ``T`` new tokens (``[T]`` long), append their K/V to ``cache``, return logits ``[T', V]``
         (``logits_for``: which rows; None: all). The rows attend as ``layout`` says (causal after the
         cache by default; ``runtime.layout``); ``plan`` runs the layers as a layer plan says, its
         skipped attention sub-layers writing no K/V. ``self.steps`` picks the eager, compiled or slot way."""
-        if legacy:
-            layout = _legacy_layout(**legacy)
         return self.steps.forward(tokens, cache, layout, logits_for, plan)
 
     __call__ = forward
@@ -362,17 +359,6 @@ class CausalLM:
         return self.steps.batch(parts, plan)
 
 
-@dataclass(frozen=True)
-class BatchPart:
-    """One sequence's rows in a batched forward (``CausalLM.forward_batch``)."""
-
-    tokens: torch.Tensor  # [T] long
-    cache: KVCache
-    positions: torch.Tensor | None = None  # [T] rope positions; default cache.length + arange
-    rel_mask: torch.Tensor | None = None  # [T, R] bool over the last R slots (a tree), else causal
-    logits_for: slice | None = None  # which of its rows get logits (None: all)
-
-
 # where a linear module keeps the quantised weights a backend reads (``runtime.loading.prepare_backend``)
 SOURCE_ATTRS: dict[str, str] = {"int4": "int4_weights", "gguf": "gguf_weights"}
 
@@ -413,13 +399,3 @@ def _projections(layer: Any) -> list[tuple[str, Any]]:
         ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj),
     ]
-
-
-def _legacy_layout(positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                   rel_mask: torch.Tensor | None = None, prompt_chunk: bool = False) -> Layout:
-    """The layout of ``forward``'s former keyword arguments (callers move to ``Layout``)."""
-    if prompt_chunk:
-        return Layout.chunk()
-    if mask is not None:
-        return Layout.explicit(mask, positions)
-    return Layout(positions=positions, rel_mask=rel_mask)

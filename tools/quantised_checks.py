@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from runtime.decoding import GenerationConfig  # noqa: E402
+from runtime.layout import Layout  # noqa: E402
 from runtime.lookup import PromptLookupDrafter  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
 from runtime.quant import Bf16Linear, Int4WeightOnlyLinear  # noqa: E402
@@ -93,7 +94,7 @@ def timings(args: argparse.Namespace) -> None:
                 cache.rollback(base)
                 if as_tree:
                     tables = tree_tables(tree, "cpu")
-                    return lm(prompt[:n], cache, positions=tables.offsets + base, rel_mask=tables.block)
+                    return lm(prompt[:n], cache, Layout.block(tables.block, tables.offsets + base))
                 return lm(prompt[:n], cache)
             return run
 

@@ -33,6 +33,7 @@ import torch
 
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
+from runtime.layout import Layout
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan, easyspec_plan
 
@@ -157,7 +158,7 @@ def _run(
         mask[:, t:] = torch.eye(t, dtype=torch.bool, device=lm.device)
     lm.recorder = recorder
     try:
-        logits = lm(tokens, cache, positions=positions, mask=mask, plan=plan)
+        logits = lm(tokens, cache, Layout.explicit(mask, positions), plan=plan)
     finally:
         lm.recorder = None
     return logits.argmax(-1)

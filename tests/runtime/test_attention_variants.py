@@ -10,6 +10,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
+from runtime.layout import Layout
 from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from runtime.tree import compile_tree, verify_mask
@@ -132,7 +133,7 @@ def test_tree_verify_rows_are_windowed_by_tree_position(family):
         cache = lm.new_cache(64)
         lm(prefix, cache)
         positions = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth]) + base
-        tree_logits = lm(tokens, cache, positions=positions, mask=verify_mask(tree, base))
+        tree_logits = lm(tokens, cache, Layout.explicit(verify_mask(tree, base), positions))
         for node in range(tree.size):
             path = torch.cat([prefix, tokens[:1], tokens[1:][tree.path_to(node)]])
             ref = lm(path, lm.new_cache(64))[-1]

@@ -15,6 +15,7 @@ import runtime.distributed  # noqa: F401  (registers the 'distributed' group exe
 from runtime.distributed_check import build_lm, greedy_draft, prompt_tokens
 from runtime.errors import RuntimeUserError
 from runtime.layer_exec import GROUP_EXECUTORS
+from runtime.layout import Layout
 from runtime.testing import tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan, easyspec_plan
@@ -53,7 +54,7 @@ def _forwards(lm: CausalLM, plan: LayerPlan) -> tuple[list[torch.Tensor], object
         mask[0, start] = mask[1, start + 1] = True
         mask[2, start] = mask[2, start + 2] = True
         positions = torch.tensor([start, start, start + 1])
-        outs.append(lm(torch.randint(0, v, (3,)), cache, positions=positions, mask=mask, plan=plan))
+        outs.append(lm(torch.randint(0, v, (3,)), cache, Layout.explicit(mask, positions), plan=plan))
         cache.commit(start, [0, 2])
         outs.append(lm(torch.randint(0, v, (1,)), cache, plan=plan))
     return outs, cache

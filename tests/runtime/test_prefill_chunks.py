@@ -9,6 +9,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
+from runtime.layout import Layout
 from runtime.linear import BACKEND_AVAILABLE
 from runtime.lookup import PromptLookupDrafter
 from runtime.testing import noisy_copy, tiny_model
@@ -33,7 +34,7 @@ def test_a_prompt_prefilled_in_chunks_builds_the_cache_of_one_forward(backend: s
     with torch.inference_mode():
         want = lm(torch.tensor(PROMPT), whole, logits_for=slice(-1, None))
         for at in range(0, len(PROMPT), chunk):
-            got = lm(torch.tensor(PROMPT[at : at + chunk]), parts, logits_for=slice(-1, None), prompt_chunk=True)
+            got = lm(torch.tensor(PROMPT[at : at + chunk]), parts, Layout.chunk(), logits_for=slice(-1, None))
     n = len(PROMPT)
     assert parts.length == whole.length == n
     torch.testing.assert_close(parts.all_keys[:, :, :n], whole.all_keys[:, :, :n], rtol=1e-4, atol=1e-4)
@@ -47,7 +48,7 @@ def test_a_chunk_that_saw_no_earlier_chunk_is_caught() -> None:
     whole = lm.new_cache(40)
     with torch.inference_mode():
         want = lm(torch.tensor(PROMPT), whole, logits_for=slice(-1, None))
-        alone = lm(torch.tensor(PROMPT[14:]), lm.new_cache(40), logits_for=slice(-1, None), prompt_chunk=True)
+        alone = lm(torch.tensor(PROMPT[14:]), lm.new_cache(40), Layout.chunk(), logits_for=slice(-1, None))
     assert not torch.allclose(alone, want, atol=1e-3)
 
 

@@ -9,6 +9,7 @@ import torch
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, TreeShape
 from runtime.errors import RuntimeUserError
+from runtime.layout import Layout
 from runtime.linear import FLOAT32_KERNEL_ENV, float32_cpu_backend, head_backend, make_linear, onednn_available
 from runtime.lookup import PromptLookupDrafter
 from runtime.pipeline import ModelPool, build_decoder, eos_ids
@@ -222,7 +223,7 @@ def test_quantised_tree_rows_equal_plain_steps(backend):
         tables = tree_tables(tree, "cpu")
         cache = lm.new_cache(300)
         lm(torch.tensor(prompt), cache)
-        got = lm(torch.tensor([greedy[0], *tokens]), cache, positions=tables.offsets + 250, rel_mask=tables.block)
+        got = lm(torch.tensor([greedy[0], *tokens]), cache, Layout.block(tables.block, tables.offsets + 250))
     assert torch.equal(got[0], logits[1])  # the root: slot == position
     for row, depth in ((2, 1), (5, 2), (6, 3), (7, 4), (8, 5)):  # nodes 1, 4, 5, 6, 7: the greedy path
         assert torch.equal(got[row], logits[1 + depth]), (row, depth)
