@@ -54,3 +54,28 @@ def test_tests_import_helpers_not_test_modules():
     assert not offenders, (
         f"import shared helpers from tests/helpers.py (or runtime.testing), fixtures through conftest.py: {offenders}"
     )
+
+
+def _sizes_tool():
+    """``tools/sizes.py``, loaded from its path (``tools`` is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sizes_tool", TESTS.parent / "tools" / "sizes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_library_modules_and_classes_stay_within_the_house_limits(tmp_path):
+    sizes = _sizes_tool()
+    # the check itself finds what it is for: a planted long module and a planted long class
+    pkg = tmp_path / "runtime"
+    pkg.mkdir()
+    (pkg / "long.py").write_text("x = 1\n" * (sizes.MODULE_LIMIT + 1))
+    (pkg / "wide.py").write_text("class Wide:\n" + "    a = 1\n" * sizes.CLASS_LIMIT)
+    (pkg / "fine.py").write_text("class Fine:\n    a = 1\n")
+    assert sorted(sizes.over(tmp_path)) == [
+        f"runtime/long.py {sizes.MODULE_LIMIT + 1} lines > {sizes.MODULE_LIMIT}",
+        f"runtime/wide.py:Wide {sizes.CLASS_LIMIT + 1} lines > {sizes.CLASS_LIMIT}",
+    ]
+    assert sizes.over() == [], "split the module or class (see tools/sizes.py)"
