@@ -11,6 +11,7 @@ from autotune.tuning.controller import ControlSettings, Corrections, RequestCont
 from autotune.tuning.cost_model import FixedCostModel
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, TreeShape
+from runtime.layout import CHAIN as CAUSAL
 from runtime.lookup import PromptLookupDrafter
 from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
@@ -38,10 +39,10 @@ class Diverging(CausalLM):
         super().__init__(hf_model)
         self.at = at
 
-    def forward(self, tokens, cache, positions=None, mask=None, logits_for=None, plan=None, rel_mask=None):
+    def forward(self, tokens, cache, layout=CAUSAL, logits_for=None, plan=None):
         n = int(tokens.shape[0])
-        pos = positions if positions is not None else cache.length + torch.arange(n)
-        logits = super().forward(tokens, cache, positions, mask, logits_for, plan, rel_mask)
+        pos = layout.positions if layout.positions is not None else cache.length + torch.arange(n)
+        logits = super().forward(tokens, cache, layout, logits_for, plan)
         rows = torch.arange(n)[logits_for] if logits_for is not None else torch.arange(n)
         late = pos.reshape(-1)[rows] + 1 >= self.at  # the row predicts the token at position pos + 1
         if bool(late.any()):
@@ -60,10 +61,10 @@ class Counting(CausalLM):
 
     scorings = 0
 
-    def forward(self, tokens, cache, positions=None, mask=None, logits_for=None, plan=None, rel_mask=None):
+    def forward(self, tokens, cache, layout=CAUSAL, logits_for=None, plan=None):
         if logits_for is None and int(tokens.shape[0]) >= WINDOW:
             self.scorings += 1
-        return super().forward(tokens, cache, positions, mask, logits_for, plan, rel_mask)
+        return super().forward(tokens, cache, layout, logits_for, plan)
 
     __call__ = forward
 
