@@ -16,6 +16,8 @@ from typing import Any
 
 from search_spaces.errors import StrategyError
 
+SKIP_RATIO = 0.45  # SWIFT's share of sub-layers a layer-skip draft skips, where none is given
+
 
 @dataclass(frozen=True)
 class LayerPlan:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from search_spaces.errors import SpaceError, StrategyError
 from search_spaces.kinds import kind_of
+from search_spaces.layer_plan import SKIP_RATIO
 from search_spaces.strategy import MAX_TREE_NODES, SWIFT_DYNAMIC_WIDTHS, Strategy
 
 if TYPE_CHECKING:  # optuna is imported only when a space is used: `import search_spaces` stays light
@@ -50,7 +51,7 @@ class SpaceContext:
 
     n_layers: int
     base: Strategy = Strategy()
-    skip_ratio: float = 0.45
+    skip_ratio: float = SKIP_RATIO
     max_draft_length: int = 12
     draft_layers: int | None = None  # `auto`: layers of the draft model (None: no draft model)
 

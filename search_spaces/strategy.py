@@ -11,7 +11,7 @@ from typing import Any
 
 from search_spaces.errors import StrategyError
 from search_spaces.kinds import DRAFT_MODEL, NONE, kind_of, kinds_with
-from search_spaces.layer_plan import LayerPlan
+from search_spaces.layer_plan import SKIP_RATIO, LayerPlan
 
 SCHEMA_VERSION = 1
 
@@ -125,7 +125,7 @@ class Strategy:
             if plan is None or not (plan.skip_attn or plan.skip_mlp):
                 raise StrategyError(
                     f"layer_plan: drafter '{self.drafter}' needs a plan that skips at least one sub-layer "
-                    "(e.g. --skip-ratio 0.45)"
+                    f"(e.g. --skip-ratio {SKIP_RATIO})"
                 )
         elif plan is not None and kind.layer_plan == "never":
             users = " and ".join(k.name for k in kinds_with(lambda k: k.layer_plan != "never"))

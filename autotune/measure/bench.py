@@ -16,7 +16,7 @@ from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder, draft_load_precision
 from runtime.stats import DecodeStats
-from search_spaces.layer_plan import easyspec_plan, uniform_skip_plan
+from search_spaces.layer_plan import SKIP_RATIO, easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
 from autotune.errors import MethodError
@@ -31,7 +31,7 @@ class BenchContext:
     dtype: str
     strategy: Strategy
     lp_size: int = 4  # EasySpec layer-parallel size for method `easyspec`
-    skip_ratio: float = 0.45  # SWIFT uniform skip ratio for method `selfspec`
+    skip_ratio: float = SKIP_RATIO  # SWIFT uniform skip ratio for method `selfspec`
     options: dict[str, str] = field(default_factory=dict)  # per-method overrides (`easyspec:lp2:nocal`)
     task: str = "prompts"  # the bench's task: method `tuned` loads the strategy stored for it
     storage: str | None = None  # strategy store URL for method `tuned` (None: the default store)

@@ -41,7 +41,7 @@ from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
 from runtime.pipeline import ModelPool, build_decoder
 from runtime.stats import DecodeStats
-from search_spaces.layer_plan import uniform_skip_plan
+from search_spaces.layer_plan import SKIP_RATIO, uniform_skip_plan
 from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
 from search_spaces.strategy import PLAIN, Strategy, tree_node_bound
 
@@ -200,7 +200,7 @@ class Baseline:
 
 def run_study(
     pool: ModelPool, target: LoadedModel, draft_name: str | None, task: str, prompts: list[list[int]],
-    cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = 0.45,
+    cfg: GenerationConfig, storage: Any, space_name: str, settings: TunerSettings, skip_ratio: float = SKIP_RATIO,
     progress: bool = True, prompt_texts: Sequence[str] = (), baseline: bool = False,
 ) -> StudyReport:
     """Tune on ``prompts`` (token ids) less the held-out ones (``split_prompts``), judge on those,

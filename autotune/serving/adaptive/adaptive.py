@@ -93,6 +93,7 @@ from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
 from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
+from search_spaces.layer_plan import SKIP_RATIO
 from search_spaces.strategy import PLAIN, Strategy
 
 ADAPTIVE_ROUTES_EXCLUDED = EXPLICIT_ROUTES  # explicit choices are served as asked
@@ -132,7 +133,7 @@ class Adapter:
         self.destination = Destination(storage, book, target, draft, device)  # where results are stored
         self.space = get_space(settings.space)
         draft_model = pool.get(draft, "float32") if draft else None
-        self.ctx = space_context(self.space, target, draft_model, 0.45)
+        self.ctx = space_context(self.space, target, draft_model, SKIP_RATIO)
         self.width = verify_width(self.space, self.ctx)
         self.standby = standby_strategies(self.space, self.ctx)
         self.health: dict[str, RouteHealth] = {}
