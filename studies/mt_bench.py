@@ -1,4 +1,5 @@
-"""MT-Bench (Zheng et al., 2023): 80 open-ended chat questions; the first turn is used."""
+"""MT-Bench (Zheng et al., 2023): 80 open-ended chat questions in 8 categories, two turns each. The
+task asks the first turn; :func:`two_turn_questions` gives both (the ``multi-turn`` stream)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -39,3 +40,34 @@ class MtBenchTask:
             question = first_turn(path, lineno, row)
             qid = row.get("question_id", lineno)
             yield Prompt(id=f"{self.name}/{qid}", messages=(("user", question),), reference=optional_text(row.get("reference")))
+
+
+@dataclass(frozen=True)
+class MtBenchQuestion:
+    """One MT-Bench question with both its turns (the second asks about the answer to the first)."""
+
+    qid: str
+    category: str
+    turns: tuple[str, str]
+
+    def __post_init__(self) -> None:
+        if not self.category.strip():
+            raise TaskError(f"MT-Bench question {self.qid} has an empty category")
+        if len(self.turns) != 2 or not all(isinstance(t, str) and t.strip() for t in self.turns):
+            raise TaskError(f"MT-Bench question {self.qid} needs two non-empty turns")
+
+
+def _two_turns(path: Path, lineno: int, row: Row) -> MtBenchQuestion:
+    turns, category = row.get("turns"), row.get("category")
+    if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, str) and t.strip() for t in turns[:2]):
+        raise TaskError(f"{path}:{lineno}: 'turns' must hold two non-empty strings for a second turn; "
+                        "fix that line")
+    if not isinstance(category, str) or not category.strip():
+        raise TaskError(f"{path}:{lineno}: field 'category' is missing or not a non-empty string; fix that line")
+    return MtBenchQuestion(qid=str(row.get("question_id", lineno)), category=category, turns=(turns[0], turns[1]))
+
+
+def two_turn_questions(data: Path | None = None) -> list[MtBenchQuestion]:
+    """Every question of the MT-Bench file (packaged, or ``data``) with both turns, in file order."""
+    path = MtBenchTask().data_file(data)
+    return [_two_turns(path, lineno, row) for lineno, row in read_jsonl(path)]

@@ -1,4 +1,5 @@
-"""Request streams for replaying against a server: the ``mixed`` shifting workload and JSONL files.
+"""Request streams for replaying against a server: the ``mixed`` shifting workload, the
+``multi-turn`` conversations (``studies.multi_turn``) and JSONL files.
 
 ``mixed_stream`` runs in blocks of ``block`` consecutive requests of one task; each round of blocks
 visits every task once in a seeded order that differs from the round before (and, with three tasks
@@ -15,13 +16,14 @@ import itertools
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from studies.errors import TaskError
 from studies.jsonl import Row, read_jsonl, text_field
+from studies.multi_turn import multi_turn_stream
 from studies.prompt import Message, Prompt
+from studies.stream_request import StreamRequest
 from studies.tasks import get_task, load_prompts
 
 DEFAULT_MIXED_TASKS: tuple[str, ...] = ("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv", "translation")
@@ -33,23 +35,6 @@ DEFAULT_OFFSET = 20
 """The first prompt of each task used: past `autotune study`'s default ten tuning prompts, with room."""
 DEFAULT_SEED = 0
 ORDER_TRIES = 64  # seeded shuffles tried for a round before falling back to rotating the last order
-
-
-@dataclass(frozen=True)
-class StreamRequest:
-    """One request of a stream: its position, its category (the task it came from) and its prompt."""
-
-    index: int
-    category: str
-    prompt: Prompt
-
-    def __post_init__(self) -> None:
-        if self.index < 0:
-            raise TaskError(f"stream request index must be 0 or more, got {self.index}")
-        if not self.category.strip():
-            raise TaskError(f"stream request {self.index} has an empty category; name the task it comes from")
-        if self.prompt.messages is None:
-            raise TaskError(f"stream request {self.index} has no chat form; streams are replayed as chat requests")
 
 
 def _acceptable(order: tuple[str, ...], last: tuple[str, ...] | None) -> bool:
@@ -169,7 +154,7 @@ def write_stream(requests: Sequence[StreamRequest], path: Path | str) -> Path:
     return path
 
 
-STREAMS: dict[str, Callable[..., list[StreamRequest]]] = {"mixed": mixed_stream}
+STREAMS: dict[str, Callable[..., list[StreamRequest]]] = {"mixed": mixed_stream, "multi-turn": multi_turn_stream}
 """Named streams (keyword arguments as their functions take them); anything else is a file path."""
 
 

@@ -131,7 +131,7 @@ def test_bad_lines_name_the_line(tmp_path: Path, line: str, needle: str) -> None
 
 
 def test_stream_spec_errors(tmp_path: Path) -> None:
-    with pytest.raises(TaskError, match="unknown stream 'mixd': not one of mixed and no such file"):
+    with pytest.raises(TaskError, match="unknown stream 'mixd': not one of mixed, multi-turn and no such file"):
         load_stream("mixd")
     with pytest.raises(TaskError, match="unknown stream .*nowhere.jsonl"):
         load_stream(str(tmp_path / "nowhere.jsonl"))
