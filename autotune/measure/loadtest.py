@@ -18,6 +18,12 @@ size and target rows per decode step (absent on a server without batching).
 each round's ratio (the modes of a round ran back to back on the same requests, so a round's ratio
 is a paired measurement) and a 95% interval on their geometric mean, which says whether a margin
 stands out of the rounds' noise.
+
+Peers (``peers``: another engine's server, e.g. each llama-server configuration of
+:mod:`autotune.measure.llama_server`) speak no ``autotune`` extension: each is started, measured as
+one mode (``PEER_MODE``, plain OpenAI requests) and stopped, after the servers, one at a time. With
+peers measured, :func:`compare` also sets the mode against the best peer at each concurrency; their
+rounds did not run back to back, so that interval is Welch's on the rounds' logarithms (unpaired).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from typing import Any
 from autotune.measure.replay import ReplayClient, ReplaySettings
 from studies.stream import StreamRequest
 
+PEER_MODE = "peer"  # the one mode a peer is measured in (no mode of ours is spelled so)
 STEP_METRICS = ("autotune:batch_size_sum", "autotune:batch_size_count", "autotune:batch_rows_sum")
 DRAFT_METRICS = ("autotune:step_draft_tokens_sum", "autotune:step_draft_tokens_count")  # summed over routes
 
@@ -62,9 +69,10 @@ class LoadPoint:
 @dataclass(frozen=True)
 class Comparison:
     """``mode`` against ``against``, the other mode of the best pooled tok/s at the same server and
-    concurrency. ``ratio`` is pooled (tok/s over tok/s); ``round_ratios`` pair the two modes' passes
-    of the same round; ``low`` / ``high`` bound their geometric mean (95%, Student's t on the
-    logarithms), None with fewer than two rounds."""
+    concurrency, or (``paired`` False) the peer server of the best pooled tok/s at that concurrency.
+    ``ratio`` is pooled (tok/s over tok/s); ``round_ratios`` pair the two passes of the same round;
+    ``low`` / ``high`` bound their geometric mean (95%, Student's t on the logarithms; unpaired:
+    Welch's t on the two sets of rounds' logarithms), None with fewer than two rounds."""
 
     server: str
     concurrency: int
@@ -74,6 +82,7 @@ class Comparison:
     round_ratios: tuple[float, ...]
     low: float | None
     high: float | None
+    paired: bool = True  # False: against a peer, whose rounds ran apart from the mode's
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,30 +100,57 @@ def _interval(ratios: Sequence[float], level: float = 0.95) -> tuple[float | Non
     return math.exp(mean - half), math.exp(mean + half)
 
 
+def _unpaired_interval(a: Sequence[float], b: Sequence[float],
+                       level: float = 0.95) -> tuple[float | None, float | None]:
+    """A ``level`` confidence interval on the ratio of the geometric means of ``a`` and ``b``
+    (Welch's t on their logarithms: two independent sets of rounds)."""
+    if len(a) < 2 or len(b) < 2 or min(*a, *b) <= 0:
+        return None, None
+    from scipy.stats import t
+
+    la, lb = [math.log(x) for x in a], [math.log(x) for x in b]
+    va, vb = statistics.variance(la) / len(la), statistics.variance(lb) / len(lb)
+    diff = statistics.fmean(la) - statistics.fmean(lb)
+    if va + vb == 0:
+        return math.exp(diff), math.exp(diff)
+    df = (va + vb) ** 2 / (va**2 / (len(la) - 1) + vb**2 / (len(lb) - 1))
+    half = float(t.ppf(0.5 + level / 2, df)) * math.sqrt(va + vb)
+    return math.exp(diff - half), math.exp(diff + half)
+
+
+def _against(p: LoadPoint, best: LoadPoint, paired: bool) -> Comparison:
+    ratios = [a / b for a, b in zip(p.round_tokens_per_s, best.round_tokens_per_s) if b > 0]
+    low, high = _interval(ratios) if paired else _unpaired_interval(p.round_tokens_per_s, best.round_tokens_per_s)
+    return Comparison(p.server, p.concurrency, p.mode, best.mode if paired else best.server,
+                      p.tokens_per_s / best.tokens_per_s, tuple(ratios), low, high, paired)
+
+
 def compare(points: Sequence[LoadPoint], mode: str = "auto") -> list[Comparison]:
     """``mode``'s point against the best other mode's at each (server, concurrency) that measured
-    ``mode`` and at least one other mode."""
+    ``mode`` and at least one other mode; then, where peers were measured, against the best peer
+    (``PEER_MODE`` points, any peer server) at each concurrency."""
+    ours = [p for p in points if p.mode == mode]
+    peers = [p for p in points if p.mode == PEER_MODE]
     out = []
-    for p in points:
-        if p.mode != mode:
-            continue
-        others = [o for o in points if o.server == p.server and o.concurrency == p.concurrency and o.mode != mode]
-        if not others:
-            continue
-        best = max(others, key=lambda o: o.tokens_per_s)
-        paired = [a / b for a, b in zip(p.round_tokens_per_s, best.round_tokens_per_s) if b > 0]
-        low, high = _interval(paired)
-        out.append(Comparison(p.server, p.concurrency, mode, best.mode, p.tokens_per_s / best.tokens_per_s,
-                              tuple(paired), low, high))
+    for p in ours:
+        others = [o for o in points if o.server == p.server and o.concurrency == p.concurrency
+                  and o.mode not in (mode, PEER_MODE)]
+        if others:
+            out.append(_against(p, max(others, key=lambda o: o.tokens_per_s), paired=True))
+    for p in ours:
+        rivals = [o for o in peers if o.concurrency == p.concurrency]
+        if rivals:
+            out.append(_against(p, max(rivals, key=lambda o: o.tokens_per_s), paired=False))
     return out
 
 
 def format_comparisons(comparisons: Sequence[Comparison]) -> str:
-    lines = ["| server | concurrency | mode | against (best other) | ratio | ratio by round | 95% interval |",
+    lines = ["| server | concurrency | mode | against (best other mode, or best peer) | ratio | ratio by round "
+             "| 95% interval |",
              "|---|---|---|---|---|---|---|"]
     for c in comparisons:
         rounds = " / ".join(f"{r:.3f}" for r in c.round_ratios) or "-"
-        interval = "-" if c.low is None else f"{c.low:.3f} - {c.high:.3f}"
+        interval = "-" if c.low is None else f"{c.low:.3f} - {c.high:.3f}" + ("" if c.paired else " (unpaired)")
         lines.append(f"| {c.server} | {c.concurrency} | {c.mode} | {c.against} | {c.ratio:.3f} | {rounds} | {interval} |")
     return "\n".join(lines)
 
@@ -171,7 +207,7 @@ def _send(client: ReplayClient, model: str, requests: Sequence[StreamRequest], m
             latency = time.perf_counter() - sent
             # the server's ttft counts from the request's arrival, as the client's latency does
             with lock:
-                done.append((latency, record.ttft_s, len(record.token_ids)))
+                done.append((latency, record.ttft_s, record.completion_tokens))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
@@ -247,10 +283,34 @@ def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
     return max(per_client * concurrency, min_requests)
 
 
+def _measure_server(client: Any, label: str, requests: Sequence[StreamRequest], modes: Sequence[str],
+                    levels: Sequence[int], warm: Sequence[StreamRequest], per_client: int, min_requests: int,
+                    rounds: int, progress: Callable[[LoadPoint], None] | None) -> list[LoadPoint]:
+    """Every (mode, concurrency) point of one running server (``client``: a ``ReplayClient`` or a
+    ``PlainClient``)."""
+    model = client.model_name()
+    for mode in modes:
+        if warm:
+            _send(client, model, warm, mode, 1)
+    points = []
+    for level in levels:
+        batch = requests[: point_size(level, per_client, min_requests)]
+        samples: dict[str, list[_Sample]] = {mode: [] for mode in modes}
+        for r in range(rounds):
+            for mode in rotated(modes, r):
+                samples[mode].append(_send(client, model, batch, mode, level))
+        for mode in modes:
+            point = _point(samples[mode], label, mode, level)
+            points.append(point)
+            if progress is not None:
+                progress(point)
+    return points
+
+
 def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
               levels: Sequence[int], max_tokens: int, timeout_s: float,
               progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2,
-              min_requests: int = 1, rounds: int = 1, warmup: int = 0) -> list[LoadPoint]:
+              min_requests: int = 1, rounds: int = 1, warmup: int = 0, peers: Sequence[Any] = ()) -> list[LoadPoint]:
     """Every (server, mode, concurrency) point (``servers``: (label, url) pairs); a point sends
     ``per_client`` x its concurrency requests, and at least ``min_requests`` (the first ones of
     ``interleaved(requests)``).
@@ -259,28 +319,26 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
     (``rotated``: each round starts one mode later), and a point pools its mode's passes. Before a
     server's first point, ``warmup`` requests per mode from one client, not measured (taken from
     past the largest point's requests where the stream has them): a fresh server's first requests
-    run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run)."""
+    run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run).
+
+    Then each of ``peers`` (``label`` and ``start()``, a context manager that runs the server and
+    yields its URL, e.g. ``llama_server.PeerServer``), one at a time: started, measured the same way
+    in the one mode ``PEER_MODE`` with plain OpenAI requests, stopped before the next starts."""
+    from autotune.measure.openai_client import PlainClient
+
     requests = interleaved(requests)
     needed = max((point_size(level, per_client, min_requests) for level in levels), default=0)
     warm = (requests[needed:] or requests)[:warmup]
+    shared = dict(requests=requests, levels=levels, warm=warm, per_client=per_client, min_requests=min_requests,
+                  rounds=rounds, progress=progress)
     points = []
     for label, url in servers:
         with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:
-            model = client.model_name()
-            for mode in modes:
-                if warm:
-                    _send(client, model, warm, mode, 1)
-            for level in levels:
-                batch = requests[: point_size(level, per_client, min_requests)]
-                samples: dict[str, list[_Sample]] = {mode: [] for mode in modes}
-                for r in range(rounds):
-                    for mode in rotated(modes, r):
-                        samples[mode].append(_send(client, model, batch, mode, level))
-                for mode in modes:
-                    point = _point(samples[mode], label, mode, level)
-                    points.append(point)
-                    if progress is not None:
-                        progress(point)
+            points += _measure_server(client, label, modes=modes, **shared)
+    for peer in peers:
+        with peer.start() as url, PlainClient(ReplaySettings(url=url, max_tokens=max_tokens,
+                                                             timeout_s=timeout_s)) as client:
+            points += _measure_server(client, peer.label, modes=(PEER_MODE,), **shared)
     return points
 
 

@@ -18,9 +18,6 @@ from typing import Any
 
 from matplotlib.ticker import MaxNLocator
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from autotune.reports.figure import new_figure, note, save_figure
 
 INDEX = "index.html"
@@ -429,34 +426,4 @@ def bench_plot(report: dict[str, Any], path: Path | str) -> Path:
     ax.grid(axis="y", alpha=0.3)
     if not names:
         note(ax, "no methods in the report")
-    return save_figure(fig, path)
-
-
-def load_plot(points: Sequence[Any], path: Path | str) -> Path:
-    """``autotune loadtest``'s points: aggregate tok/s (left) and p50 latency (right) against
-    concurrency, one line per (server, mode)."""
-    fig = Figure(figsize=(10.0, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    tput, lat = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    lines: dict[tuple[str, str], list[Any]] = {}
-    for p in points:
-        lines.setdefault((p.server, p.mode), []).append(p)
-    servers = list(dict.fromkeys(p.server for p in points))
-    for (server, mode), pts in lines.items():
-        pts = sorted(pts, key=lambda p: p.concurrency)
-        style = "-o" if server == servers[0] else "--s"
-        label = mode if len(servers) == 1 else f"{mode} ({server})"
-        xs = [p.concurrency for p in pts]
-        tput.plot(xs, [p.tokens_per_s for p in pts], style, label=label)
-        lat.plot(xs, [p.latency_p50_s for p in pts], style, label=label)
-    for ax, ylabel in ((tput, "aggregate tok/s"), (lat, "p50 latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if not points:
-            note(ax, "no points")
-    tput.legend(fontsize=8)
-    tput.set_title("throughput", fontsize=10)
-    lat.set_title("latency", fontsize=10)
     return save_figure(fig, path)

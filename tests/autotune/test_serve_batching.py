@@ -286,7 +286,7 @@ def _answered(url: str) -> float:
 
 def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
     from autotune.measure.loadtest import format_points, load_test, read_points
-    from autotune.reports.plots import load_plot
+    from autotune.reports.load_plots import load_plot
     from studies.stream import load_stream
 
     running, _, _ = live
