@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.cli.args import field_default
-from autotune.cli.replay import stream_from_args
+from autotune.cli.replay import STREAM_HELP, add_multi_turn_args, stream_config, stream_from_args
 from autotune.errors import CliError
 from autotune.measure.replay import ReplaySettings, parse_modes
 from autotune.serving.server import MAX_BATCH
@@ -23,7 +23,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", action="append", default=[], metavar="[LABEL=]URL",
                    help="a server to measure; repeat to compare servers in one run (e.g. new=http://...:8000 "
                         "old=http://...:8001)")
-    p.add_argument("--stream", default="mixed", help="mixed, or a .jsonl file of {category, messages | prompt} rows")
+    p.add_argument("--stream", default="mixed", help=f"{STREAM_HELP} (default %(default)s)")
     p.add_argument("--limit", type=int, help="take only the stream's first N requests")
     p.add_argument("--requests-per-client", type=int, default=2, metavar="N",
                    help="each point sends N x its concurrency requests, the stream's first ones taken one "
@@ -54,6 +54,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--also", type=Path, action="append", default=[], metavar="FILE.json",
                    help="points of an earlier run (its --json) to show beside this run's (e.g. another server "
                         "measured alone, when two do not fit in memory at once)")
+    add_multi_turn_args(p)
     _add_peer_args(p)
     p.set_defaults(tasks=None, block=None, blocks_per_task=None, offset=None, seed=None)  # the mixed stream's defaults
 
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_comparisons(comparisons))
     if args.json_out:
         args.json_out.write_text(json.dumps({"config": {"servers": servers, "stream": args.stream,
-                                                        "requests": len(requests),
+                                                        **stream_config(args), "requests": len(requests),
                                                         "max_tokens": args.max_tokens, "modes": list(modes),
                                                         "levels": levels, "rounds": args.rounds,
                                                         "warmup": args.warmup,
