@@ -301,6 +301,10 @@ def running(argv: Sequence[str], port: int, timeout_s: float = START_TIMEOUT_S) 
         try:
             wait_healthy(url, proc, log, timeout_s)
             yield url
+        except RemoteError as exc:
+            if proc.poll() is None:
+                raise
+            raise RemoteError(f"{exc}; {TOOL} exited with status {proc.returncode}: {_log_tail(log)}") from None
         finally:
             stop(proc)
 

@@ -20,8 +20,9 @@ is a paired measurement) and a 95% interval on their geometric mean, which says 
 stands out of the rounds' noise.
 
 Peers (``peers``: another engine's server, e.g. each llama-server configuration of
-:mod:`autotune.measure.llama_server`) speak no ``autotune`` extension: each is started, measured as
-one mode (``PEER_MODE``, plain OpenAI requests) and stopped, after the servers, one at a time. With
+:mod:`autotune.measure.llama_server`) speak no ``autotune`` extension: each is started (afresh for
+each concurrency), measured as one mode (``PEER_MODE``, plain OpenAI requests) and stopped, after
+the servers, one at a time. With
 peers measured, :func:`compare` also sets the mode against the best peer at each concurrency; their
 rounds did not run back to back, so that interval is Welch's on the rounds' logarithms (unpaired).
 """
@@ -322,8 +323,12 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
     run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run).
 
     Then each of ``peers`` (``label`` and ``start()``, a context manager that runs the server and
-    yields its URL, e.g. ``llama_server.PeerServer``), one at a time: started, measured the same way
-    in the one mode ``PEER_MODE`` with plain OpenAI requests, stopped before the next starts."""
+    yields its URL, e.g. ``llama_server.PeerServer``), one at a time: started afresh for each
+    concurrency (with its warm-up), measured the same way in the one mode ``PEER_MODE`` with plain
+    OpenAI requests, stopped before the next starts. A fresh process per level because a peer may
+    remember earlier requests (llama-server: a slot's prompt cache, ngram-mod's n-gram pool), and the
+    levels repeat the stream's first requests; its rounds still repeat them (``round_tokens_per_s``
+    shows whether later rounds ran faster)."""
     from autotune.measure.openai_client import PlainClient
 
     requests = interleaved(requests)
@@ -336,9 +341,10 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
         with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:
             points += _measure_server(client, label, modes=modes, **shared)
     for peer in peers:
-        with peer.start() as url, PlainClient(ReplaySettings(url=url, max_tokens=max_tokens,
-                                                             timeout_s=timeout_s)) as client:
-            points += _measure_server(client, peer.label, modes=(PEER_MODE,), **shared)
+        for level in levels:  # a fresh process per level: none drafts from an earlier level's answers
+            with peer.start() as url, PlainClient(ReplaySettings(url=url, max_tokens=max_tokens,
+                                                                 timeout_s=timeout_s)) as client:
+                points += _measure_server(client, peer.label, modes=(PEER_MODE,), **{**shared, "levels": (level,)})
     return points
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from autotune.measure.loadtest import PEER_MODE
 from autotune.reports.figure import DPI, note, save_figure
 
 
@@ -27,7 +28,7 @@ def load_plot(points: Sequence[Any], path: Path | str, comparisons: Sequence[Any
     for (server, mode), pts in lines.items():
         pts = sorted(pts, key=lambda p: p.concurrency)
         style = "-o" if server == servers[0] else "--s"
-        label = mode if len(servers) == 1 else f"{mode} ({server})"
+        label = server if mode == PEER_MODE else mode if len(servers) == 1 else f"{mode} ({server})"
         xs = [p.concurrency for p in pts]
         tput.plot(xs, [p.tokens_per_s for p in pts], style, label=label)
         lat.plot(xs, [p.latency_p50_s for p in pts], style, label=label)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import stat
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,25 @@ def test_a_server_that_exits_while_starting_is_an_error_with_its_log(tmp_path: P
     with pytest.raises(RemoteError, match="llama-server exited with status 3 while starting: error: cannot load"):
         with ls.running([str(server), "--port", str(port)], port):
             pass
+
+
+def test_a_server_that_dies_while_measured_is_named_with_its_log(tmp_path: Path) -> None:
+    server = _fake_server(tmp_path, tmp_path / "seen.jsonl")
+    port = ls.free_port()
+    with pytest.raises(RemoteError, match=r"request 0 failed; llama-server exited with status -9"):
+        with ls.running([str(server), "--port", str(port)], port):
+            pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).endswith(f"{port}"))
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.05)
+            raise RemoteError("request 0 failed")  # what the client says of a server gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- the plain client
