@@ -147,7 +147,7 @@ def write_answers(path: Path, key: AnswerKey, entries: dict[str, dict[str, str]]
 def first_turn_answers(questions: Sequence[MtBenchQuestion], answerer: Answerer, cache_dir: Path | str,
                        log: Callable[[str], None] = _stderr) -> dict[str, str]:
     """Each question's first-turn answer by question id: read from the cache, the missing ones
-    generated (with a line per answer on ``log``) and added to it."""
+    generated (with a line per answer on ``log``) and added to it one by one."""
     key = answerer.key
     path = cache_path(cache_dir, key)
     entries, problem = read_answers(path, key)
@@ -164,9 +164,9 @@ def first_turn_answers(questions: Sequence[MtBenchQuestion], answerer: Answerer,
                 raise TypeError(f"the answerer answered question {question.qid} with a {type(answer).__name__}, "
                                 "not a str")
             entries[question.qid] = {"question": question.turns[0], "answer": answer}
+            write_answers(path, key, entries)  # after each answer: an interrupted run resumes where it stopped
             log(f"{LOG_PREFIX}: answer {i}/{len(todo)} ({question.category}, question {question.qid}): "
                 f"{time.perf_counter() - started:.1f} s")
-        write_answers(path, key, entries)
     return {q.qid: entries[q.qid]["answer"] for q in questions}
 
 

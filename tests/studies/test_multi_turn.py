@@ -142,3 +142,18 @@ def test_a_question_file_without_second_turns_is_refused(tmp_path: Path) -> None
 def test_answer_key_validated(bad: dict) -> None:
     with pytest.raises(TaskError):
         AnswerKey(**{"model": "m", "precision": "float32", "max_tokens": 8, **bad})
+
+
+def test_an_interrupted_generation_resumes_where_it_stopped(tmp_path: Path) -> None:
+    class Interrupted(Scripted):
+        def answer(self, prompt: Prompt) -> str:
+            if len(self.asked) == 2:
+                raise KeyboardInterrupt
+            return super().answer(prompt)
+
+    with pytest.raises(KeyboardInterrupt):
+        _stream(tmp_path, Interrupted(), 4)
+    rest = Scripted()
+    stream = _stream(tmp_path, rest, 4)
+    assert rest.asked == [r.prompt.id.removesuffix("/turn-2") for r in stream[2:]]
+    assert not list((tmp_path / "streams").glob("*.tmp"))
