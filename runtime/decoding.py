@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, Narrows, Stepped, drive
+from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, KeepsRows, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layout import Layout
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
@@ -32,6 +33,9 @@ class GenerationConfig:
     # a longer prompt is prefilled in forwards of this many tokens (llama.cpp's n_ubatch is 512):
     # a server runs its batch's steps between them, so a long prompt never stalls the running requests
     prefill_chunk: int = 512
+    # rows of earlier sequences that start with the same tokens may be reused, and this one's kept for
+    # later ones, where the decoder has a prefix cache (``Decoder.prefix``; llama-server's cache_prompt)
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "prefill_chunk"):
@@ -131,6 +135,9 @@ class Decoder:
         self.last_rows = 0  # target rows of the last round's verify pass (1 + drafted; padding not counted)
         self.step_cap: int | None = None  # drafts at most this many tokens next round (None: its strategy's length)
         self.step_width: int | None = None  # a tree drafts at most this many children per node next round
+        # K/V rows of earlier sequences (``runtime.prefix_cache``): a prompt's leading rows come from it,
+        # exactly as its own prefill would compute them, and each sequence's rows go back (a server's)
+        self.prefix: PrefixCache | None = None
 
     def drafter_of(self, kind: str) -> Drafter | None:
         """The drafter of this kind, drafting or on standby (None when the decoder has none)."""
@@ -190,15 +197,24 @@ class Decoder:
         seq.gen = decode_generator(self.target.device, config.seed)
         seq.cache = self._sequence_cache(seq.capacity)
         chunk, spent = config.prefill_chunk, 0.0
-        for at in range(0, len(prompt), chunk):
+        prefix = self.prefix if config.cache_prompt else None
+        if prefix is not None:  # the last prompt token always runs: its logits give the first new token
+            started = time.perf_counter()
+            seq.stats.prefix_rows = prefix.reuse(self.target, prompt, seq.cache, chunk, len(prompt) - 1)
+            spent += time.perf_counter() - started
+        for at in range(seq.stats.prefix_rows, len(prompt), chunk):
             started = time.perf_counter()
             ids = torch.tensor(prompt[at : at + chunk], device=self.target.device)
             with torch.inference_mode():  # never held across a yield: the caller's code runs there
                 logits = self.target(ids, seq.cache, Layout.chunk(), logits_for=slice(-1, None))
                 if at + chunk >= len(prompt):
-                    seq.out.append(self._pick(logits[0], config.sampling, seq.gen))
+                    seq.out.append(_pick(logits[0], config.sampling, seq.gen))
+                    if prefix is not None:  # shared by later prompts (and batch-mates) from now on
+                        prefix.offer(self.target, prompt, seq.cache, len(prompt), chunk)
                     for drafter in self._following():
                         drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
+                        if prefix is not None and isinstance(drafter, KeepsRows):
+                            drafter.reuse_rows(prefix, chunk)
             spent += time.perf_counter() - started
             if not seq.out:
                 yield at + len(ids)
@@ -214,18 +230,28 @@ class Decoder:
         cache = slots.take(self, capacity) if slots is not None else None
         return cache if cache is not None else self.target.new_cache(capacity, reuse=True)
 
+    def remember(self, seq: "Sequence") -> None:
+        """Keep ``seq``'s committed rows, and its drafting models', in the prefix cache (where it has
+        one and ``cache_prompt`` is on): ``generate`` at its end, a server as a request leaves."""
+        if self.prefix is None or not seq.config.cache_prompt:
+            return
+        tokens = seq.prompt + seq.out
+        self.prefix.offer(self.target, tokens, seq.cache, seq.cache.length, seq.config.prefill_chunk)
+        for drafter in self._following():
+            if isinstance(drafter, KeepsRows):
+                drafter.offer_rows(self.prefix, seq.config.prefill_chunk)
+
+    def catch_up_rows(self) -> int:
+        """Tokens the drafting model has yet to run before it drafts (its catch-up; 0 without one)."""
+        return len(self.drafter.pending) if isinstance(self.drafter, CatchesUp) else 0
+
     def draft_prefill(self, seq: "Sequence") -> int:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its
-        catch-up, which that round would otherwise run), timed as prefill. It is the prompt's cost,
-        paid once per request like the target's prefill, not a round's: counted in the first round it
-        inflated a draft model's draft time per token (a GSM8K bench of the 0.5B draft chain: 2613
-        ms per 100 tokens before, 2313 after). Runs after the first token is out (streaming's time to first token is the
-        target's prefill). Drafters on standby catch up when they are next used. Every way a
-        sequence is decoded calls it after ``start`` (``generate``, a batch; the server's worker
-        before the first step the request drafts in, which a loaded batch may never give it):
-        a catch-up left to the first round made a request's controller measure its draft chain
-        slower than plain over its first window. Nothing to do once the sequence is finished.
-        -> the tokens the drafting model ran (0: nothing to catch up on, or no drafting model)."""
+        catch-up, which that round would otherwise run), timed as prefill, once per request, after
+        the first token is out. Every way a sequence is decoded calls it after ``start`` (a
+        server's worker before the first step the request drafts in). Drafters on standby catch up
+        when next used; nothing to do once the sequence is finished. -> the tokens the drafting
+        model ran (0: nothing to catch up on, or no drafting model)."""
         drafter = self.drafter
         if not isinstance(drafter, CatchesUp) or self.draft_length < 1 or seq.finished:
             return 0
@@ -242,7 +268,8 @@ class Decoder:
         """Decode ``prompt``. ``before_round(decoder, tokens, cache, stats)`` runs before every
         draft/verify round (the online tuner: it may score candidates and reconfigure the drafter);
         ``after_round(new_tokens)`` after the prefill and every round (streaming; returning True
-        stops). Decoding stops at the first EOS, even one accepted inside a round."""
+        stops). Decoding stops at the first EOS, even one accepted inside a round. With a prefix
+        cache, the sequence's rows are kept for later prompts (``remember``)."""
         seq = self.start(prompt, config)
         out, cache, stats = seq.out, seq.cache, seq.stats
         stop = after_round is not None and after_round(out)
@@ -254,6 +281,7 @@ class Decoder:
             with torch.inference_mode():
                 out.extend(self._round(out, cache, config, seq.gen, stats, seq.eos))
             stop = after_round is not None and after_round(out)
+        self.remember(seq)
         return seq.result()
 
     def _round(
@@ -383,11 +411,12 @@ class Decoder:
         logits = self.target(rows.ids, cache, Layout.block(rows.rel_mask, rows.positions))[: rows.n].float()
         return self.accept(rows, logits, draft, cache, params, gen)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        if params.greedy:
-            return int(logits.argmax())
-        return int(sample(logits_to_probs(logits.float(), params), gen))
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(logits_to_probs(logits.float(), params), gen))
 
 
 def _no_draft() -> Draft:

@@ -15,6 +15,7 @@ from runtime.sampling import SamplingParams
 from search_spaces.strategy import Strategy
 
 if TYPE_CHECKING:
+    from runtime.prefix_cache import PrefixCache
     from runtime.transformer import CausalLM
     from search_spaces.layer_plan import LayerPlan
 
@@ -92,6 +93,16 @@ class CatchesUp(Protocol):
     pending: list[int]
 
     def sync(self) -> None: ...
+
+
+@runtime_checkable
+class KeepsRows(Protocol):
+    """Its own model's K/V rows can come from a prefix cache and go back to it
+    (``runtime.prefix_cache``), where that model's rows are reusable."""
+
+    def reuse_rows(self, prefix: "PrefixCache", chunk: int) -> int: ...
+
+    def offer_rows(self, prefix: "PrefixCache", chunk: int) -> None: ...
 
 
 @runtime_checkable

@@ -7,10 +7,11 @@ from collections.abc import Generator
 
 import torch
 
-from runtime.draft import CatchesUp, Draft, DraftSteps, Forward, Narrows, Stepped, drive
+from runtime.draft import CatchesUp, Draft, DraftSteps, Forward, KeepsRows, Narrows, Stepped, drive
 from runtime.draft_shapes import StaticLayout, TreeShape, pad_vocab, static_layout, tree_shape
 from runtime.kv_cache import KVCache
 from runtime.lookup import PromptLookupDrafter
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
 from runtime.transformer import CausalLM
 from runtime.tree_drafting import DraftRound, TreeDrafting
@@ -22,12 +23,12 @@ __all__ = [
 ]
 
 
-class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows):
+class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
     """Drafts a chain or a token tree with a smaller model of the same family (own KV cache).
 
     Each depth is one draft forward over all frontier nodes with a tree attention mask
-    (``TreeDrafting``). It declares the optional capabilities ``Stepped``, ``CatchesUp`` and
-    ``Narrows`` (``runtime.draft``). The cache
+    (``TreeDrafting``). It declares the optional capabilities ``Stepped``, ``CatchesUp``,
+    ``Narrows`` and ``KeepsRows`` (``runtime.draft``). The cache
     holds a prefix of the committed sequence plus this round's drafted rows; ``pending`` are
     committed tokens the draft has not seen yet.
 
@@ -140,6 +141,25 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows):
         del self.exact_rows[keep:]
         self.pending = list(prompt[keep:])
         self.lookup.begin(prompt, capacity)
+
+    def reuse_rows(self, prefix: PrefixCache, chunk: int) -> int:
+        """After ``begin``: the sequence's leading draft rows from ``prefix`` where it holds more of
+        them than this drafter kept (only where this model's rows are reusable: its catch-up runs
+        the prompt in pieces of its own, not in prefill chunks) -> rows gained."""
+        if not self.model.rows_reusable or self.model.is_compiled:
+            return 0
+        tokens = self.exact_rows + self.pending
+        gained = prefix.reuse(self.model, tokens, self.cache, chunk, len(tokens) - 1, counted=False)
+        if gained:
+            n = self.cache.length
+            self.exact_rows, self.pending = tokens[:n], tokens[n:]
+        return gained
+
+    def offer_rows(self, prefix: PrefixCache, chunk: int) -> None:
+        """This model's exact rows (run through every layer) to ``prefix``, for later sequences."""
+        if self.model.rows_reusable and not self.model.is_compiled:
+            n = min(len(self.exact_rows), self.cache.length)
+            prefix.offer(self.model, self.exact_rows, self.cache, n, chunk)
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
@@ -290,6 +310,12 @@ class SelfDrafter(ModelDrafter):
 
     def sync(self) -> None:
         """Nothing to catch up: the target's cache is the draft's."""
+
+    def reuse_rows(self, prefix: PrefixCache, chunk: int) -> int:
+        return 0  # the target's cache: its decoder reuses those rows
+
+    def offer_rows(self, prefix: PrefixCache, chunk: int) -> None:
+        """Nothing of its own: the target's rows go back through its decoder."""
 
     def begin(self, prompt: list[int], capacity: int, target_cache: KVCache | None = None) -> None:
         if target_cache is None:

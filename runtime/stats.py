@@ -17,6 +17,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     target_forwards: int = 0  # including the prefill
+    prefix_rows: int = 0  # the prompt's leading rows a prefix cache gave (not prefilled)
     draft_rounds: int = 0  # verify passes that checked at least one draft token
     accept_hist: list[int] = field(default_factory=list)  # rounds by number of drafts accepted
     position_drafted: list[int] = field(default_factory=list)  # per draft position i

@@ -47,7 +47,8 @@ class StepRunner:
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, layout: Layout = CHAIN,
                 logits_for: slice | torch.Tensor | None = None, plan: LayerPlan | None = None) -> torch.Tensor:
-        """``CausalLM.forward``: a prefill runs eagerly at its exact length; a compiled model's lone
+        """``CausalLM.forward``: a prefill runs eagerly at its exact length (on a model whose rows are
+        reusable, as a step runs); a compiled model's lone
         step on a K/V slot runs as the batched steps run (the row bucket's graph over the slot
         cache); any other step runs over the cache's whole capacity, compiled where the model is."""
         lm = self.lm
@@ -59,7 +60,9 @@ class StepRunner:
         if layout.mask is not None:  # pad the explicit mask to the capacity: slots past this forward are hidden
             full = torch.zeros(t, cache.capacity, dtype=torch.bool, device=lm.device)
             full[:, : start + t] = layout.mask.to(lm.device)
-        prefill = layout.prefill(start, t)
+        # a prompt runs as a prefill (exact length, causal) unless every row must be computed as a
+        # step computes it: then a prefix cache's rows equal a fresh prefill's (``rows_reusable``)
+        prefill = layout.prefill(start, t) and not lm.rows_reusable
         cp = None if plan is None or plan.is_identity else lm.compiled(plan)
         if cp is None and lm.recorder is not None:  # a recorder sees every forward through run_blocks
             cp = lm.compiled(LayerPlan(n_layers=lm.dims.n_layers))

@@ -140,6 +140,14 @@ class CausalLM:
         return self.backend in ROW_INVARIANT_BACKENDS
 
     @property
+    def rows_reusable(self) -> bool:
+        """Whether every K/V row is bit-identical however it was computed: a prompt chunk, a step, a
+        verify or a batched row (row-invariant projections and attention everywhere, the prefill
+        included; ``StepRunner.forward``). A prefix cache may then hand any committed row of one
+        sequence to another (``runtime.prefix_cache``); otherwise only whole prefill chunks."""
+        return self.invariant and not bf16_prefill(self.backend)
+
+    @property
     def is_compiled(self) -> bool:
         return self.steps.is_compiled
 

@@ -10,6 +10,7 @@ from autotune.errors import CliError
 from autotune.serving.adaptive.settings import AdaptSettings as AdaptDefaults
 from autotune.serving.limits import API_KEY_ENV, Limits
 from autotune.serving.server import ServeConfig
+from autotune.serving.sizing import MAX_BATCH, PREFIX_CACHE_GIB, PREFIX_SHARE
 from runtime.decoding import GenerationConfig
 
 
@@ -22,8 +23,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=field_default(ServeConfig, "max_queue"),
                    help="requests waiting beyond this get 503 + Retry-After (default %(default)s)")
     p.add_argument("--max-batch", type=int, metavar="N",
-                   help="requests decoded side by side (continuous batching; default: what memory allows for "
-                        "--max-context, at most 16; 1 decodes one request at a time)")
+                   help=f"requests decoded side by side (continuous batching; default: {MAX_BATCH}, or what memory "
+                        "allows for --max-context where it is given; 1 decodes one request at a time)")
     p.add_argument("--max-batch-rows", type=int, metavar="ROWS",
                    help="target rows one decode step verifies at most (plain: 1 per request, speculative: 1 + "
                         "drafted); drafts shrink to fit (default: no limit)")
@@ -32,7 +33,16 @@ def add_parser(sub: Any) -> None:
                         f"stepping between them (default: {field_default(GenerationConfig, 'prefill_chunk')}, as "
                         "llama.cpp's n_ubatch)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
-                   help="prompt + max_tokens of one request (default: the model's context); longer requests get a 400")
+                   help="prompt + max_tokens of one request (default: what fits --max-batch requests in the memory "
+                        "free after loading, beside the prefix cache, at most the model's context; the ready line "
+                        "says what it chose); longer requests get a 400")
+    p.add_argument("--prefix-cache-gib", type=float, metavar="GIB",
+                   help="memory for K/V rows kept across requests: a prompt that starts like an earlier request "
+                        "(a shared system prompt, a chat's earlier turns) skips their prefill, with the same output "
+                        f"(default: {PREFIX_CACHE_GIB:g}, or {PREFIX_SHARE * 100:.0f}%% of the free memory where less; a request "
+                        "opts out with \"cache_prompt\": false)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache_gib", action="store_const", const=0.0,
+                   help="keep no rows across requests")
     p.add_argument("--route-distance", type=float,
                    help="cosine distance beyond which a prompt is 'unknown' (default: the measured one)")
     p.add_argument("--grace", type=float, default=field_default(ServeConfig, "grace_s"), metavar="S",
@@ -99,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, draft=args.draft, dtype=args.precision, device=args.device, compile=args.compile,
         storage=args.storage, host=args.host, port=args.port, max_queue=args.max_queue, route_distance=args.route_distance,
         adaptive=adaptive, grace_s=args.grace, max_batch=args.max_batch, max_context=args.max_context,
+        prefix_cache_gib=args.prefix_cache_gib,
         max_batch_rows=args.max_batch_rows, prefill_chunk=args.prefill_chunk, request_control=args.request_control,
         limits=Limits(
             api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,

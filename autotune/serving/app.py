@@ -46,12 +46,14 @@ class Server:
     """What the endpoints share: the served model, its worker, the strategy book and metrics."""
 
     def __init__(self, name: str, target: Any, worker: Any, book: StrategyBook, metrics: Any,
-                 limits: Limits | None = None, context: int | None = None, prefill_chunk: int | None = None) -> None:
+                 limits: Limits | None = None, context: int | None = None, prefill_chunk: int | None = None,
+                 sizing: Any = None) -> None:
         self.name, self.target, self.worker, self.book, self.metrics = name, target, worker, book, metrics
         self.limits = limits if limits is not None else Limits()
         self.tokenizer = target.tokenizer
         # prompt + max_tokens of one request: the model's context, or less (--max-context)
         self.context = context or target.hf_model.config.max_position_embeddings
+        self.sizing = sizing  # how the batch, the context and the prefix cache were sized (``serving.sizing``)
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
@@ -101,7 +103,8 @@ class Server:
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p)
         seed = req.seed if req.seed is not None else secrets.randbits(31)
         chunk = {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}
-        cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos, **chunk)
+        cfg = GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, eos_token_ids=self.eos,
+                               cache_prompt=req.cache_prompt, **chunk)
         return Job(ids=ids, cfg=cfg, choice=choice, stream=TextStream(self.tokenizer, list(req.stop or [])), emit=emit,
                    streamed=req.stream, text=routing_text(prompt)), len(ids)
 
@@ -126,6 +129,7 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
         "drafted": s.drafted, "accepted": s.accepted, "draft_rounds": s.draft_rounds,
         "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
         "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
+        "prefix_tokens": s.prefix_rows,
     }
     if job.control is not None:  # routed: what its controller did (prior, final strategy, switches, scoring time)
         out["control"] = job.control
@@ -139,9 +143,12 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
     return out
 
 
-def usage(prompt_tokens: int, outcome: Outcome) -> dict[str, int]:
+def usage(prompt_tokens: int, outcome: Outcome) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose rows came
+    from the prefix cache."""
     n = len(outcome.tokens)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": outcome.stats.prefix_rows}}
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
@@ -194,6 +201,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         out["tasks"] = server.book.tasks()  # the stored tasks requests are routed to
         # each route's live acceptance per strategy: what the load-aware draft lengths start from
         out["acceptance"] = server.worker.figures.acceptance.describe()
+        out["context"] = server.context
+        prefix = server.worker.decoders.prefix
+        if prefix is not None:  # the prefix cache's budget in use
+            st = prefix.stats
+            out["prefix_cache"] = {"budget_bytes": st.budget_bytes, "used_bytes": st.used_bytes, "blocks": st.blocks,
+                                   "tokens_reused": st.tokens_reused, "hit_rate": st.hit_rate}
         if server.worker.adapter is not None:  # per-route drift figures and re-tunes (serve --adaptive)
             out["routes"] = server.worker.adapter.describe()
         return JSONResponse(out, status_code=503 if condition else 200)

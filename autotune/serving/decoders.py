@@ -9,6 +9,7 @@ from autotune.tuning.controller import ControlSettings, lookup_candidate
 from runtime.decoding import Decoder
 from runtime.errors import RuntimeUserError
 from runtime.pipeline import ModelPool, build_decoder, verify_packing
+from runtime.prefix_cache import PrefixCache
 from runtime.slots import SlotCache
 from runtime.transformer import CausalLM
 from search_spaces.strategy import Strategy
@@ -22,7 +23,7 @@ class DecoderCache:
     weights, fixed once serving starts (``freeze_width``)."""
 
     def __init__(self, pool: ModelPool, target: object, draft: str | None, control: ControlSettings | None,
-                 max_decoders: int, max_spares: int) -> None:
+                 max_decoders: int, max_spares: int, prefix: PrefixCache | None = None) -> None:
         self.pool, self.target, self.draft = pool, target, draft
         self.control = control  # what the decoders keep on standby for their controllers (None: nothing)
         self.max_decoders, self.max_spares = max_decoders, max_spares
@@ -37,6 +38,8 @@ class DecoderCache:
         # under serve --compile with batching: the K/V slots of the running sequences, so that a batched
         # step is one static-shape forward (``runtime.slots``; ``startup.use_slots``)
         self.slots: SlotCache | None = None
+        # K/V rows kept across requests, every decoder's prompts read and its finished sequences fill (None: off)
+        self.prefix = prefix
 
     def __len__(self) -> int:
         """Decoders kept (one per strategy, and spares for batch-mates of the same strategy)."""
@@ -122,6 +125,7 @@ class DecoderCache:
                                     verify_width=width, standby=standby)
         self._in_use.add(id(dec))
         dec.target.slots = self.slots
+        dec.prefix = self.prefix
         return dec
 
     def release(self, strategy: Strategy, dec: Decoder) -> None:

@@ -221,6 +221,10 @@ class DecodeLoop:
     def _leave(self, r: Running) -> None:
         """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
         self.batch.remove(r)
+        try:  # its rows, for later requests that share its tokens (a chat's next turn)
+            r.member.decoder.remember(r.member.seq)
+        except Exception:  # the answer is ready: a prefix cache that could not keep it loses nothing
+            log.exception("keeping a request's rows in the prefix cache failed")
         self.decoders.release(r.strategy, r.member.decoder)
         self.figures.observe_finished(r.job.choice.route, r)
         try:

@@ -8,9 +8,11 @@ and ``autotune:spec_decode_num_accepted_tokens_per_pos_total{position}``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.stats import DecodeStats
 
@@ -110,5 +112,35 @@ class ServingMetrics:
     def set_strategy(self, route: str, label: str, strategy_json: str) -> None:
         self.strategy.labels(route).info({"strategy": label, "json": strategy_json})
 
+    def watch_prefix_cache(self, prefix: Any) -> None:
+        """Export ``prefix``'s figures (a ``runtime.prefix_cache.PrefixCache``), read at each scrape."""
+        self.registry.register(_PrefixCacheCollector(prefix))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters and sizes, from its own statistics (no second bookkeeping)."""
+
+    def __init__(self, prefix: Any) -> None:
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        st = self.prefix.stats
+        for name, doc, value in (
+            ("lookups", "Prompts that looked for cached rows", st.lookups),
+            ("hits", "Prompts that reused cached rows", st.hits),
+            ("tokens_looked_up", "Prompt tokens that could have been reused (all but each prompt's last)",
+             st.tokens_looked_up),
+            ("tokens_reused", "Prompt tokens whose K/V rows came from the prefix cache, not a prefill", st.tokens_reused),
+            ("evictions", "Cached blocks dropped for room (least recently used first)", st.evictions),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}prefix_cache_{name}", doc, value=value)
+        for name, doc, value in (
+            ("bytes", "Bytes of K/V rows the prefix cache holds", st.used_bytes),
+            ("budget_bytes", "The prefix cache's budget (--prefix-cache-gib)", st.budget_bytes),
+            ("blocks", "Blocks of K/V rows the prefix cache holds", st.blocks),
+            ("hit_rate", "Share of the prompt tokens that could have been reused that were", st.hit_rate),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}prefix_cache_{name}", doc, value=value)

@@ -55,7 +55,7 @@ def candidate(r: Any, figures: CostFigures) -> Candidate:
             per_token = DRAFT_TOKEN_SHARE * figures.step_cost.predict(1, 1)
     catch_up = figures.catch_ups.get(s.drafter) if s.speculates and not r.drafter_synced else None
     return Candidate.of(s, acceptance_estimate(prior, stats.accepted, stats.drafted), per_token,
-                        start_s=catch_up.predict(len(seq.prompt) + len(seq.out)) if catch_up is not None else 0.0,
+                        start_s=catch_up.predict(r.member.decoder.catch_up_rows()) if catch_up is not None else 0.0,
                         remaining=seq.config.max_new_tokens - len(seq.out), draft_fixed_s=fixed, draft_group=group)
 
 

@@ -65,6 +65,8 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_ID)
     stop: str | list[str] | None = None
     stream: bool = False
+    # llama-server's name: false, and this request neither reuses cached prompt rows nor leaves its own
+    cache_prompt: bool = True
     n: int = 1
     best_of: int | None = None
     # declared only to be refused by name when set (``_unsupported``)

@@ -14,19 +14,18 @@ import logging
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 from autotune.errors import SettingError
 from autotune.serving.limits import Limits
+from autotune.serving.sizing import MAX_BATCH, available_memory, batch_size, kv_bytes_per_slot, size  # noqa: F401
 from autotune.serving.worker_config import Hooks, WorkerConfig
 
 log = logging.getLogger("autotune.serve")
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies
 GRACE_S = 20.0  # SIGTERM: how long the running request may take to finish (under Kubernetes' 30 s)
-MAX_BATCH = 16  # the default --max-batch where memory allows it
-KV_SHARE = 0.8  # of the memory free after loading, what the default --max-batch lets KV caches take
 BACKSTOP_S = 2.0  # uvicorn's own limit is the grace plus this: it cancels what is still open then
 
 
@@ -46,8 +45,9 @@ class ServeConfig:
     adaptive: Any = None  # ``adaptive.AdaptSettings``: drift detection and re-tuning on live traffic
     limits: Limits = field(default_factory=Limits)  # API key, body size, request deadline
     grace_s: float = GRACE_S  # SIGTERM: the running requests' time to finish
-    max_batch: int | None = None  # requests decoded side by side; None: what memory allows, at most MAX_BATCH
-    max_context: int | None = None  # prompt + max_tokens per request; None: the model's context
+    max_batch: int | None = None  # requests decoded side by side; None: MAX_BATCH, or what fits --max-context
+    max_context: int | None = None  # prompt + max_tokens per request; None: what fits (``sizing.size``)
+    prefix_cache_gib: float | None = None  # the prefix cache's budget; 0: none; None: the default (``sizing``)
     max_batch_rows: int | None = None  # target rows one decode step verifies at most; None: no limit
     prefill_chunk: int | None = None  # prompt tokens per prefill forward, steps between; None: GenerationConfig's
     request_control: bool = True  # routed requests switch strategy inside the request (``autotune.tuning.controller``)
@@ -72,6 +72,9 @@ class ServeConfig:
                 GenerationConfig(prefill_chunk=self.prefill_chunk)
             except RuntimeUserError as exc:
                 raise SettingError(f"--prefill-chunk: {exc}") from None
+        if self.prefix_cache_gib is not None and not 0 <= self.prefix_cache_gib < float("inf"):
+            raise SettingError(f"--prefix-cache-gib must be a number of GiB >= 0 (0: no prefix cache), got "
+                               f"{self.prefix_cache_gib}")
         if self.max_context is not None and self.max_context < 2:
             raise SettingError(f"--max-context must be at least 2 tokens, got {self.max_context}")
         if self.route_distance is not None and not 0.0 <= self.route_distance <= 1.0:
@@ -108,13 +111,12 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None, hooks: Hooks 
     metrics = ServingMetrics()
     book = StrategyBook(storage, target, cfg.draft, cfg.device, metrics, cfg.route_distance)
     book.refresh()
-    context = min(cfg.max_context or target.hf_model.config.max_position_embeddings,
-                  target.hf_model.config.max_position_embeddings)
     element = target.hf_model.lm_head.weight.element_size()  # the caches' dtype is the model's (CausalLM.new_cache)
-    max_batch = batch_size(cfg.max_batch, kv_bytes_per_slot(target.hf_model.config, context, element), context,
-                           available_memory())
-    config = WorkerConfig(max_queue=cfg.max_queue, max_batch=max_batch, max_batch_rows=cfg.max_batch_rows,
-                          **({} if cfg.request_control else {"control": None}))
+    sizing = size(cfg.max_batch, cfg.max_context, 0.0 if cfg.compile else cfg.prefix_cache_gib,
+                  target.hf_model.config.max_position_embeddings,
+                  kv_bytes_per_slot(target.hf_model.config, 1, element), available_memory())
+    config = WorkerConfig(max_queue=cfg.max_queue, max_batch=sizing.max_batch, max_batch_rows=cfg.max_batch_rows,
+                          prefix_cache_bytes=sizing.prefix_bytes, **({} if cfg.request_control else {"control": None}))
     adapt = None
     if cfg.adaptive is not None:  # drift detection and re-tuning, on what it may use of the worker
         from autotune.serving.adaptive.adaptive import Adapter
@@ -125,9 +127,14 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None, hooks: Hooks 
                           _metric_hooks(metrics, hooks), adapt)
     # every routed strategy's decoder, the controllers' cost models, then first decodes (the prefill's
     # bf16 weight copies; compiled steps under --compile) while /health says loading
-    started = start_up(worker, book.strategies(), book.default, context)
+    started = start_up(worker, book.strategies(), book.default, sizing.context)
     book.use_fallback(started.fallback)  # plain, or the default draft where it pays here
-    return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=context, prefill_chunk=cfg.prefill_chunk)
+    if worker.decoders.prefix is not None:
+        metrics.watch_prefix_cache(worker.decoders.prefix)
+    if cfg.compile:  # compiled steps keep their K/V in static slots
+        sizing = replace(sizing, prefix_off="not under --compile")
+    return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=sizing.context,
+                  prefill_chunk=cfg.prefill_chunk, sizing=sizing)
 
 
 def _metric_hooks(metrics: Any, extra: Hooks) -> Hooks:
@@ -149,42 +156,6 @@ def _both(first: Callable[..., Any], then: Callable[..., Any] | None) -> Callabl
         then(*args)
 
     return call
-
-
-def kv_bytes_per_slot(config: Any, context: int, element_bytes: int = 4) -> int:
-    """KV cache bytes one request of ``context`` tokens holds (keys and values, every layer), its
-    caches in the model's float dtype (``element_bytes``: 4 for float32)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * element_bytes * context
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated now (``MemAvailable``), or None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def batch_size(asked: int | None, slot_bytes: int, context: int, free: int | None) -> int:
-    """``--max-batch``: as asked when its caches fit in memory (else a start-up error naming the
-    sizes), or what fits, at most ``MAX_BATCH``."""
-    gib = 2**30
-    if asked is not None:
-        if free is not None and asked * slot_bytes > free:
-            raise SettingError(
-                f"--max-batch {asked} x a {context}-token context needs {asked * slot_bytes / gib:.1f} GiB of KV cache "
-                f"({slot_bytes / gib:.2f} GiB per request) and {free / gib:.1f} GiB is free; lower --max-batch or "
-                "--max-context")
-        return asked
-    if free is None:
-        return MAX_BATCH
-    return max(1, min(MAX_BATCH, int(free * KV_SHARE // slot_bytes)))
 
 
 def make_app(server: Any, refresh_s: float) -> Any:
@@ -232,7 +203,8 @@ def serve(cfg: ServeConfig) -> int:
 def _announce(server: Any, asked: str) -> None:
     from runtime.auto_precision import explain
 
-    print(f"autotune serve: {server.name} ready at {explain(server.target.precision, asked)} "
+    sized = f", {server.sizing.describe()}" if server.sizing is not None else ""
+    print(f"autotune serve: {server.name} ready at {explain(server.target.precision, asked)}{sized} "
           f"(routes: {', '.join(server.book.describe())})", flush=True)
 
 

@@ -41,6 +41,7 @@ from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import RouteAcceptance
 from runtime.decoding import Decoder
 from runtime.pipeline import ModelPool
+from runtime.prefix_cache import PrefixCache
 from search_spaces.strategy import Strategy
 
 
@@ -73,7 +74,8 @@ class DecodeWorker:
                  hooks: Hooks = Hooks(), adapt: Callable[[DecoderSource], Adapting] | None = None) -> None:
         self.target, self.config = target, config
         self.requests = RequestQueue(config.max_queue)
-        self.decoders = DecoderCache(pool, target, draft, config.control, config.max_decoders, config.max_batch)
+        prefix = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes and not pool.compile else None
+        self.decoders = DecoderCache(pool, target, draft, config.control, config.max_decoders, config.max_batch, prefix)
         self.figures = CostFigures(acceptance=RouteAcceptance(min_drafts=config.acceptance_min_drafts))
         self.control = Control(config.control, self.decoders)
         self.adapter = adapt(SharedDecoders(self.decoders, self.control)) if adapt is not None else None

@@ -25,12 +25,17 @@ class WorkerConfig:
     control: ControlSettings | None = field(default_factory=ControlSettings)
     acceptance_min_drafts: int = ROUTE_MIN_DRAFTS  # drafted tokens before a route's live acceptance speaks
     max_decoders: int = MAX_DECODERS
+    prefix_cache_bytes: int = 0  # K/V rows kept across requests (``runtime.prefix_cache``); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_batch", "acceptance_min_drafts", "max_decoders"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SettingError(f"decode worker setting {name}={value!r} must be a positive integer")
+        if isinstance(self.prefix_cache_bytes, bool) or not isinstance(self.prefix_cache_bytes, int) \
+                or self.prefix_cache_bytes < 0:
+            raise SettingError(f"decode worker setting prefix_cache_bytes={self.prefix_cache_bytes!r} must be an "
+                               "integer >= 0 (0: no prefix cache)")
         if self.max_batch_rows is not None and self.max_batch_rows < 1:
             raise SettingError(f"decode worker setting max_batch_rows={self.max_batch_rows} must be at least 1")
 

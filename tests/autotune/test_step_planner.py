@@ -24,13 +24,15 @@ def _figures(**kw) -> CostFigures:
 
 
 def _running(strategy: Strategy, acceptance: float | None = 0.8, out: int = 0, max_new: int = 64,
-             synced: bool = True, route: str = "gsm8k") -> SimpleNamespace:
-    """What the planner reads of a running request: its strategy, sequence, choice and decoder."""
+             synced: bool = True, route: str = "gsm8k", cached: int = 0) -> SimpleNamespace:
+    """What the planner reads of a running request: its strategy, sequence, choice and decoder (whose
+    drafting model has run nothing of the sequence but the ``cached`` rows a prefix cache gave it)."""
     seq = SimpleNamespace(stats=DecodeStats(), prompt=[1] * 40, out=[2] * out,
                           config=SimpleNamespace(max_new_tokens=max_new))
     entry = SimpleNamespace(acceptance=acceptance) if acceptance is not None else None
     job = SimpleNamespace(choice=SimpleNamespace(entry=entry, route=route, state="stored"))
-    decoder = SimpleNamespace(drafter_of=lambda kind: None, step_cap="untouched", step_width="untouched")
+    decoder = SimpleNamespace(drafter_of=lambda kind: None, step_cap="untouched", step_width="untouched",
+                              catch_up_rows=lambda: 40 + out - cached)
     return SimpleNamespace(current=strategy, member=SimpleNamespace(seq=seq, decoder=decoder), job=job,
                            drafter_synced=synced)
 
@@ -57,6 +59,15 @@ def test_a_lone_request_runs_its_strategy_unless_its_catch_up_cannot_pay_back():
     unsynced = _running(CHAIN, synced=False, out=60)  # 4 tokens left
     assert plan_step([unsynced], figures, None, load_aware=True) == [StepShape(0)]
     assert plan_step([_running(CHAIN, out=60)], figures, None, load_aware=True) == [StepShape(None)]  # caught up
+
+
+def test_a_catch_up_is_priced_on_the_rows_a_prefix_cache_left_to_run():
+    figures = _figures()
+    figures.catch_ups["prompt-lookup"] = CatchUpCost()
+    figures.catch_ups["prompt-lookup"].observe(40, 8.0)  # 0.2 s a token: 40 cost more than 64 plain steps
+    assert plan_step([_running(CHAIN, synced=False)], figures, None, load_aware=True) == [StepShape(0)]
+    cached = _running(CHAIN, synced=False, cached=38)  # the cache gave the drafting model all but 2 rows
+    assert plan_step([cached], figures, None, load_aware=True) == [StepShape(None)]
 
 
 def test_a_batch_gets_the_goodput_choice_of_its_candidates():
