@@ -138,6 +138,7 @@ def write_answers(path: Path, key: AnswerKey, entries: dict[str, dict[str, str]]
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text + "\n")
+        os.chmod(tmp, 0o644)  # as an ordinary file (mkstemp makes it private)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
