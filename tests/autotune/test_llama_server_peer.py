@@ -382,6 +382,7 @@ def _server_built() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a load test against an outside server process (llama-server), where `make peers` built it
 @pytest.mark.skipif(not _server_built(), reason=f"llama-server is not built (no {ls.TOOL} under "
                                                 f"{peers.llamacpp_dir()}): run `make peers`")
 def test_loadtest_measures_the_real_llama_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -212,6 +212,7 @@ needs_llamacpp = pytest.mark.skipif(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # llama.cpp's CLI processes as a bench peer (three of them), where `make peers` built them
 @needs_llamacpp
 def test_bench_runs_llamacpp_beside_vanilla(tmp_path, capsys):
     out = tmp_path / "bench.json"

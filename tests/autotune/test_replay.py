@@ -401,6 +401,9 @@ def test_not_json_answer(stream_file: Path, monkeypatch: pytest.MonkeyPatch, cap
 
 # ---------------------------------------------------------------------- slow: a real server
 @pytest.mark.slow
+# heavy: a server start-up of its own for the replay client; replay's identity check against a live server stays in
+# the default run (tests/autotune/test_first_turns.py), and over fake servers here
+@pytest.mark.heavy
 def test_replay_against_real_server(pool, smollm, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from autotune.serving.server import ServeConfig, build_server
     from autotune.store.records import ResultMetrics

@@ -107,6 +107,10 @@ def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, sto
                 assert info["route"] == mode and info["strategy"] == "plain" and info["drafted"] == 0
 
 
+# heavy: a second server start-up for control decisions every 8 tokens; the default run keeps the controller in
+# the loop of every routed request of test_greedy_equals_generate_in_every_mode_and_routes (request control is on by
+# default) and its switches' identity on tiny models (tests/autotune/test_controller.py)
+@pytest.mark.heavy
 def test_routed_requests_are_controlled_and_stay_identical(pool, smollm, store):
     """Routed requests run under their own controller (decisions every 8 tokens here): the
     response says what it did, the metrics count it, and the tokens are plain decoding's; an
@@ -218,6 +222,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(live, body, statu
     assert ok.status_code == 200
 
 
+@pytest.mark.heavy  # a load test (64 requests from 16 clients), then a full queue and departing clients on a second server
 def test_load_full_queue_and_disconnects(pool, smollm, store):
     """16 concurrent clients (half streaming), 64 requests: none dropped, every one correct; then a
     full queue answers 503 + Retry-After; clients that leave mid-stream do not stall the worker."""
@@ -270,6 +275,7 @@ def test_load_full_queue_and_disconnects(pool, smollm, store):
         assert health == {"status": "ok", "model": MODEL, "queue_depth": 0, "running": 0}
 
 
+@pytest.mark.heavy  # `autotune serve` as a process: a second interpreter loads the model again
 def test_cli_serve_starts_and_exits_0_on_sigterm(store, tmp_path):
     url, _ = store
     import signal

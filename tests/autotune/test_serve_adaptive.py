@@ -137,6 +137,7 @@ def store_humaneval_lookup(storage, pool, smollm, task: str, prompts: list[str],
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a re-tune on live traffic: up to 14 requests of 32 tokens, each checked against plain decoding
 def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path):
     """A route stored from HumanEval (prompt lookup, with the acceptance it measured there)
     receives GSM8K traffic: within a bounded number of requests the drift is detected, the route
@@ -191,6 +192,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # two clusters of unknown traffic re-tune into new routes on live traffic (14 requests, each checked)
 def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
     url = f"sqlite:///{tmp_path / 'store.db'}"
     key = strategy_key(smollm, None, "humaneval", "cpu")
@@ -225,29 +227,35 @@ def test_unknown_traffic_becomes_new_routes_by_topic(pool, smollm, tmp_path):
 
 
 @pytest.mark.slow
-def test_unknown_traffic_starts_on_what_the_server_measured(pool, smollm, tmp_path):
+@pytest.mark.parametrize("adaptive", [
+    pytest.param(True, id="adaptive"),
+    # the same start on a second server that is not adaptive: a second start-up (draft costs measured again)
+    pytest.param(False, id="not-adaptive", marks=pytest.mark.heavy),
+])
+def test_unknown_traffic_starts_on_what_the_server_measured(pool, smollm, tmp_path, adaptive):
     """With nothing stored for unknown traffic, a server decodes it with the start it measured
     (``DecodeWorker.unknown_start``: its default draft chain where that pays, else plainly; SmolLM2
     drafting for itself is near the line, so either may be measured here), adaptive or not, and
     the answer is plain decoding's; an adaptive one watches it like a route."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     with open_storage(url) as storage:
-        for adaptive in (AdaptSettings(), None):
-            server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, adaptive=adaptive),
-                                  storage, pool=pool)
-            assert server.book.default.speculates  # what it used to start on
-            with LiveServer(server) as live:
-                got, ids, info = chat(live.client(), TRANSLATE[0], max_tokens=16)
-                start = "default" if server.book.fallback.speculates else "plain"
-                assert server.book.fallback in (PLAIN, server.book.default)
-                assert (info["route"], info["strategy"]) == ("unknown", start)
-                assert start == "default" or info["drafted"] == 0
-                assert ids == plain_ids(pool, smollm, TRANSLATE[0], 16)
-                if adaptive is not None:
-                    assert server.worker.adapter.describe()["unknown"]["requests"] == 1
+        settings = AdaptSettings() if adaptive else None
+        server = build_server(ServeConfig(model=MODEL, draft=MODEL, storage=url, adaptive=settings),
+                              storage, pool=pool)
+        assert server.book.default.speculates  # what it used to start on
+        with LiveServer(server) as live:
+            got, ids, info = chat(live.client(), TRANSLATE[0], max_tokens=16)
+            start = "default" if server.book.fallback.speculates else "plain"
+            assert server.book.fallback in (PLAIN, server.book.default)
+            assert (info["route"], info["strategy"]) == ("unknown", start)
+            assert start == "default" or info["drafted"] == 0
+            assert ids == plain_ids(pool, smollm, TRANSLATE[0], 16)
+            if settings is not None:
+                assert server.worker.adapter.describe()["unknown"]["requests"] == 1
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a re-tune on live traffic: up to 12 GSM8K requests of 32 tokens, each checked against plain decoding
 def test_unknown_traffic_drift_retunes_the_general_entry(pool, smollm, tmp_path):
     """The general entry (task ``prompts``: what unknown traffic decodes with) is judged like a
     route: stored from HumanEval with the acceptance lookup measured there, it receives GSM8K
@@ -292,6 +300,7 @@ def _pg_database(base: str, name: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # two servers and a re-tune on live traffic (runs where the PostgreSQL tests run)
 def test_replicas_on_one_postgresql_store_share_a_retune(pool, smollm, request, monkeypatch):
     """Two servers on one PostgreSQL store: a route re-tuned on one is routed to by the other
     within its poll interval (no coordinator: the store is the shared state). Runs where the

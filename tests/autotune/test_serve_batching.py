@@ -125,7 +125,11 @@ def _together(live: Live, jobs):
     return results
 
 
-@pytest.mark.parametrize("load_aware", [False, True])
+@pytest.mark.parametrize("load_aware", [
+    False,  # every strategy drafts in the batch: the default run's batching identity
+    # heavy: the same identity with load-aware lengths, which may draft less or not at all (8 more requests)
+    pytest.param(True, marks=pytest.mark.heavy),
+])
 def test_concurrent_requests_with_different_strategies_equal_their_solo_answers(request, store, load_aware):
     """Plain, a chain, a tree and prompt lookup side by side. With the strategies' own lengths,
     every one drafts in the batch; with load-aware lengths, some may draft less or not at all. The
@@ -169,6 +173,7 @@ def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_draftin
     assert any(drafts > depths for depths, drafts, _ in new), new  # two chains drafted in one phase
 
 
+@pytest.mark.heavy  # a server start-up of its own for one request's figure (no output is compared)
 def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(pool, store):
     """Where a request ends, what it accepted of what it drafted becomes its route's live figure
     for its strategy (``RouteAcceptance``), the start of later sequences' acceptance estimates."""
@@ -284,6 +289,7 @@ def _answered(url: str) -> float:
     return sum(float(line.rpartition(" ")[2]) for line in lines if line.startswith("autotune:requests_total{"))
 
 
+@pytest.mark.heavy  # a load test: 26 requests, two modes at 1 and 4 clients, two rounds each
 def test_loadtest_measures_each_point_and_draws_them(live, tmp_path):
     from autotune.measure.loadtest import format_points, load_test, read_points
     from autotune.reports.load_plots import load_plot

@@ -63,6 +63,7 @@ def _auto_routes(storage) -> dict[str, object]:
 
 
 # ---------------------------------------------------------------------- bounded state
+@pytest.mark.heavy  # a re-tune on live traffic, evicted by three more topics
 def test_an_evicted_clusters_retune_is_dropped_with_it(pool, smollm, tmp_path):
     settings = AdaptSettings(new_route_requests=2, retune_requests=3, max_clusters=2)
     storage, live = _serve(pool, f"sqlite:///{tmp_path / 'store.db'}", adaptive=settings)
@@ -81,6 +82,7 @@ def test_an_evicted_clusters_retune_is_dropped_with_it(pool, smollm, tmp_path):
     storage.close()
 
 
+@pytest.mark.heavy  # 100 requests (50 topics twice), re-tuning into routes up to the cap
 def test_bursts_of_distinct_topics_stay_under_the_route_cap(pool, smollm, tmp_path):
     """50 topics sharing no word, each asked twice: each would become a route; 3 do."""
     settings = AdaptSettings(new_route_requests=1, retune_requests=1, max_routes=3)
@@ -98,7 +100,11 @@ def test_bursts_of_distinct_topics_stay_under_the_route_cap(pool, smollm, tmp_pa
     storage.close()
 
 
-@pytest.mark.parametrize("control", [False, True], ids=["no-request-control", "request-control"])
+@pytest.mark.parametrize("control", [
+    # heavy: the same identity on a second server start-up, without request control (not the default)
+    pytest.param(False, id="no-request-control", marks=pytest.mark.heavy),
+    pytest.param(True, id="request-control"),
+])
 def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, tmp_path, control):
     """Three wider strategies stored while the server runs: the first speculative one fixes the
     verify width (5), the wider ones decode plainly (logged), and one layer plan that cannot fit
@@ -130,6 +136,7 @@ def test_strategies_stored_after_start_up_share_one_packed_target(pool, smollm, 
 
 
 # ---------------------------------------------------------------------- what is stored
+@pytest.mark.heavy  # a re-tune on live traffic into a new route
 def test_no_request_text_is_stored_without_store_prompts(pool, smollm, tmp_path):
     settings = AdaptSettings(new_route_requests=3, retune_requests=2)
     storage, live = _serve(pool, f"sqlite:///{tmp_path / 'store.db'}", adaptive=settings)
@@ -148,6 +155,7 @@ def test_no_request_text_is_stored_without_store_prompts(pool, smollm, tmp_path)
     storage.close()
 
 
+@pytest.mark.heavy  # a re-tune on live traffic, each on a server start-up of its own
 @pytest.mark.parametrize("lossy", [True, False])
 def test_a_lossy_retune_is_not_stored(pool, smollm, tmp_path, monkeypatch, lossy):
     """The re-tune's pick is forced to a draft chain (SmolLM2 drafting for itself always drafts);
@@ -182,6 +190,7 @@ def test_a_lossy_retune_is_not_stored(pool, smollm, tmp_path, monkeypatch, lossy
     storage.close()
 
 
+@pytest.mark.heavy  # a re-tune on live traffic, each on a server start-up of its own
 @pytest.mark.parametrize("faster", [False, True])
 def test_a_retune_replaces_the_best_only_when_it_measured_as_fast(pool, smollm, tmp_path, monkeypatch, faster):
     """A stored lookup route drifts (its stored acceptance is set out of reach) and re-tunes; its
@@ -223,6 +232,7 @@ def test_a_retune_replaces_the_best_only_when_it_measured_as_fast(pool, smollm, 
     storage.close()
 
 
+@pytest.mark.heavy  # a re-tune on live traffic into a new route
 def test_a_new_route_never_overwrites_another_replicas(pool, smollm, tmp_path):
     """Another replica stored a route of the same name after this server last read the store:
     this server's new route takes the next free name."""
@@ -251,6 +261,7 @@ def _sampled(live: LiveServer, text: str, seed: int) -> dict:
     return r.json()["autotune"]
 
 
+@pytest.mark.heavy  # 8 sampled requests of 32 tokens on a route watched for drift, after 4 greedy decodes to store it
 def test_unchanged_traffic_at_temperature_1_triggers_no_retune(pool, smollm, tmp_path):
     """A lookup route stored with the acceptance it measured greedily on HumanEval gets the same
     kind of prompts sampled at temperature 1: its acceptance is lower, as sampling makes it, and
@@ -284,6 +295,7 @@ def test_unchanged_traffic_at_temperature_1_triggers_no_retune(pool, smollm, tmp
 
 
 # ---------------------------------------------------------------------- explicit ids
+@pytest.mark.heavy  # a concurrency test that waits out 8 s store lookups
 def test_a_slow_explicit_id_lookup_holds_up_no_other_request(pool, smollm, tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'store.db'}"
     storage, live = _serve(pool, url)

@@ -18,7 +18,8 @@ import pytest
 
 from tests.helpers import MODEL
 
-pytestmark = pytest.mark.slow
+# heavy: each test starts `autotune serve` as a process, which loads the model again, and waits out its drain
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 COUNT = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "temperature": 0}  # never meets EOS
 

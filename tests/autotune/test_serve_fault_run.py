@@ -21,6 +21,7 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "fault_run.py"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.heavy,  # minutes of a real server (and opt-in besides)
     pytest.mark.skipif(os.environ.get("AUTOTUNE_FAULT_RUN") != "1",
                        reason="the fault run takes several minutes of a real server; run it with "
                               "AUTOTUNE_FAULT_RUN=1 python -m pytest tests/autotune/test_serve_fault_run.py "

@@ -28,7 +28,9 @@ from autotune.tuning.tuner import OnlineTuner
 from tests.helpers import MODEL, LiveServer, chat, metric
 from tests.helpers import TRANSLATE as ALL_TRANSLATE  # the first 6 are enough here
 
-pytestmark = pytest.mark.slow
+# heavy: faults injected into live servers, one start-up per test (re-tunes on live traffic, a store locked or hung,
+# /health hammered while threads switch every microsecond); no test here compares output
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 TRANSLATE = ALL_TRANSLATE[:6]
 RECIPES = [f"Suggest an easy dinner recipe with {s}, and list the steps in order." for s in (

@@ -215,6 +215,7 @@ def _wait_idle(live: LiveServer) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.heavy  # a queue-full test on a server start-up of its own, waiting out two timeouts
 def test_full_queue_answers_503_before_tokenising_or_a_store_lookup(hurried):
     """The probe would be a 400 once tokenised (too long) or looked up (no strategy 77): a 503
     shows the queue was checked first."""
@@ -231,6 +232,7 @@ def test_full_queue_answers_503_before_tokenising_or_a_store_lookup(hurried):
     _wait_idle(hurried)
 
 
+@pytest.mark.heavy  # waits out three request timeouts (on the queue-full test's server)
 def test_request_timeout_gives_504_and_frees_its_place(hurried):
     url = f"{hurried.url}/v1/completions"
     tokens = metric(hurried.url, "autotune:generation_tokens_total")
@@ -283,6 +285,7 @@ def _cancelled(live: LiveServer) -> float:
     return metric(live.url, 'autotune:requests_cancelled_total{reason="client_disconnected"}')
 
 
+@pytest.mark.heavy  # a client that leaves mid-decode, on a server start-up of its own (timed by sleeps)
 def test_a_departed_client_stops_its_running_request(patient):
     tokens, cancelled = metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
     sock = _send_raw(patient, COUNT)
@@ -296,6 +299,7 @@ def test_a_departed_client_stops_its_running_request(patient):
     assert metric(patient.url, "autotune:generation_tokens_total") == tokens + len(ids)
 
 
+@pytest.mark.heavy  # a client that leaves the queue (on the test above's server)
 def test_a_departed_client_leaves_the_queue_undecoded(patient):
     tokens, cancelled = metric(patient.url, "autotune:generation_tokens_total"), _cancelled(patient)
     with cf.ThreadPoolExecutor(1) as ex:

@@ -105,6 +105,9 @@ class StaleCache(PrefixCache):
             return n
 
 
+# heavy: a third server start-up for the power check; the same check stays in the default run on the decoder
+# (tests/runtime/test_prefix_cache.py), and the identity over HTTP above
+@pytest.mark.heavy
 def test_a_cache_that_serves_a_stale_block_is_caught(pool, store, without_cache):
     server, storage = _server(pool, store, None, StaleCache(2**30))
     with LiveServer(server) as live:

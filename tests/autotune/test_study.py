@@ -141,6 +141,9 @@ def test_strategy_for_another_model_is_one_clear_line(capsys, tmp_path):
 
 
 @pytest.mark.slow
+# heavy: a whole study (3 prompts of 96 tokens, a same-size draft, --baseline) to reach the refusal; the rule that a
+# candidate whose output differed is never chosen stays in the default run (tests/autotune/test_heldout.py)
+@pytest.mark.heavy
 def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path, monkeypatch):
     """A deliberately lossy acceptance rule (greedy: after any drafted round, the token the target
     adds is off by one) makes the tuned strategy's output differ from plain decoding; the study
@@ -209,6 +212,9 @@ def test_study_refuses_to_store_a_strategy_whose_output_differs(capsys, tmp_path
 
 
 @pytest.mark.slow
+# heavy: a second real study (3 prompts) under spies; the split itself stays in the default run
+# (tests/autotune/test_heldout.py), and test_study_persists_a_strategy_that_generate_and_bench_load runs a study
+@pytest.mark.heavy
 def test_held_out_prompts_are_never_tuned_on(capsys, tmp_path, monkeypatch):
     """A spy on the tuner's windows and on the judgement: with --limit 3 the tuner sees prompts 0
     and 1 only, the judgement decodes prompt 2 only (with plain decoding and every candidate), the
