@@ -24,10 +24,10 @@ SMOL = AnswerSettings(model="smollm2-135m", precision="float32", max_tokens=12)
 
 def test_answers_are_greedy_plain_decoding_and_deterministic(pool, smollm, tmp_path: Path) -> None:
     short = AnswerSettings(model="smollm2-135m", precision="float32", max_tokens=8)
-    stream = multi_turn_stream(PlainAnswerer(short, pool), tmp_path / "a", questions=1, log=lambda line: None)
-    again = multi_turn_stream(PlainAnswerer(short, pool), tmp_path / "b", questions=1, log=lambda line: None)
-    assert stream == again  # generated again from scratch: the same answer
+    stream = multi_turn_stream(PlainAnswerer(short, pool), tmp_path, questions=1, log=lambda line: None)
     (_, first), (_, answer), _ = stream[0].prompt.messages
+    # decoded again, apart: the same text (deterministic), and what `autotune generate` and the server
+    # (tests/autotune/test_serve.py) answer to that first turn
     ids = encode_prompt(Prompt(id="q", messages=(("user", first),)), smollm.tokenizer)  # as the server encodes it
     out = build_decoder(pool, smollm, PLAIN).generate(ids, GenerationConfig(max_new_tokens=8,
                                                                               eos_token_ids=eos_ids(smollm)))
