@@ -172,16 +172,22 @@ def first_turn_answers(questions: Sequence[MtBenchQuestion], answerer: Answerer,
 
 
 def multi_turn_stream(answerer: Answerer, cache_dir: Path | str, questions: int = DEFAULT_QUESTIONS,
-                      data: Path | str | None = None, log: Callable[[str], None] = _stderr) -> list[StreamRequest]:
-    """``questions`` MT-Bench second turns spread over the categories (see :func:`spread_questions`),
-    each as [user turn 1, assistant answer 1, user turn 2] under its MT-Bench category. ``answerer``
-    writes the first-turn answers the first time (cached in ``cache_dir``); ``data``: another
-    MT-Bench question file."""
+                      data: Path | str | None = None, log: Callable[[str], None] = _stderr,
+                      first_turns: bool = True) -> list[StreamRequest]:
+    """``questions`` MT-Bench conversations spread over the categories (see :func:`spread_questions`),
+    under their MT-Bench category: each first turn ([user turn 1]), then its second turn as [user turn
+    1, assistant answer 1, user turn 2] (``first_turns=False``: the second turns alone). A server that
+    answered the first turn greedily as the answerer did has that whole history cached by the
+    second. ``answerer`` writes the first-turn answers the first time (cached in ``cache_dir``);
+    ``data``: another MT-Bench question file."""
     chosen = spread_questions(two_turn_questions(Path(data) if data is not None else None), questions)
     answers = first_turn_answers(chosen, answerer, cache_dir, log)
     requests: list[StreamRequest] = []
     for question in chosen:
         first, second = question.turns
+        if first_turns:
+            opening = Prompt(id=f"mt-bench/{question.qid}/turn-1", messages=(("user", first),))
+            requests.append(StreamRequest(len(requests), question.category, opening))
         messages = (("user", first), ("assistant", answers[question.qid]), ("user", second))
         prompt = Prompt(id=f"mt-bench/{question.qid}/turn-2", messages=messages)
         requests.append(StreamRequest(len(requests), question.category, prompt))

@@ -24,7 +24,8 @@ SMOL = AnswerSettings(model="smollm2-135m", precision="float32", max_tokens=12)
 
 def test_answers_are_greedy_plain_decoding_and_deterministic(pool, smollm, tmp_path: Path) -> None:
     short = AnswerSettings(model="smollm2-135m", precision="float32", max_tokens=8)
-    stream = multi_turn_stream(PlainAnswerer(short, pool), tmp_path, questions=1, log=lambda line: None)
+    stream = multi_turn_stream(PlainAnswerer(short, pool), tmp_path, questions=1, log=lambda line: None,
+                               first_turns=False)
     (_, first), (_, answer), _ = stream[0].prompt.messages
     # decoded again, apart: the same text (deterministic), and what `autotune generate` and the server
     # (tests/autotune/test_serve.py) answer to that first turn
@@ -86,7 +87,7 @@ def test_the_flags_reach_the_stream_and_the_cache(command: str, scripted: list[S
             "--answer-model", "smollm2-135m", "--answer-precision", "float32", "--answer-tokens", "20"]
     args = build_parser().parse_args(argv)
     requests = stream_from_args(args)
-    assert len(requests) == 3 and [len(r.prompt.messages) for r in requests] == [3, 3, 3]
+    assert len(requests) == 3 and [len(r.prompt.messages) for r in requests] == [1, 3, 1]  # turn 1, 2, then 1
     assert scripted[0].settings == AnswerSettings(model="smollm2-135m", precision="float32", max_tokens=20)
     assert len(scripted[0].asked) == 4  # the stream's questions, then cut to --limit
     cached = list((tmp_path / "cache" / "streams").glob("multi-turn-smollm2-135m-float32-20-*.json"))
@@ -132,7 +133,8 @@ def test_the_server_answers_the_first_turn_as_cached_and_replays_identically(
     from studies.multi_turn import cache_path
 
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
-    stream = multi_turn_stream(PlainAnswerer(SMOL, pool), tmp_path / "cache", questions=2, log=lambda line: None)
+    stream = multi_turn_stream(PlainAnswerer(SMOL, pool), tmp_path / "cache", questions=2, log=lambda line: None,
+                               first_turns=False)
     out = tmp_path / "replay.json"
     with open_storage(f"sqlite:///{tmp_path / 'store.db'}") as storage:
         config = ServeConfig(model="smollm2-135m", storage=f"sqlite:///{tmp_path / 'store.db'}", max_batch=1,
@@ -152,6 +154,6 @@ def test_the_server_answers_the_first_turn_as_cached_and_replays_identically(
     assert code == 0, printed + err
     assert "answering" not in err  # read from the cache the stream above wrote
     report = json.loads(out.read_text())
-    assert report["identical"]["requests"] == 2 and report["identical"]["differ"] == 0
+    assert report["identical"]["requests"] == 4 and report["identical"]["differ"] == 0  # both turns of 2
     assert sorted(report["categories"]) == sorted({r.category for r in stream})
     assert cache_path(tmp_path / "cache", SMOL.key()).exists()

@@ -30,7 +30,15 @@ class Scripted:
 
 def _stream(tmp_path: Path, answerer: Scripted, questions: int = DEFAULT_QUESTIONS, log: list[str] | None = None):
     lines = log if log is not None else []
-    return multi_turn_stream(answerer, tmp_path, questions=questions, log=lines.append)
+    return multi_turn_stream(answerer, tmp_path, questions=questions, log=lines.append, first_turns=False)
+
+
+def test_each_conversation_sends_its_first_turn_then_its_second(tmp_path: Path) -> None:
+    stream = multi_turn_stream(Scripted(), tmp_path, questions=3, log=lambda line: None)
+    assert [r.prompt.id.rsplit("/", 1)[1] for r in stream] == ["turn-1", "turn-2"] * 3
+    for opening, follow in zip(stream[::2], stream[1::2]):
+        assert opening.prompt.messages == follow.prompt.messages[:1] and opening.category == follow.category
+    assert [r.index for r in stream] == list(range(6))
 
 
 def test_shape_three_messages_the_answer_and_categories(tmp_path: Path) -> None:
@@ -53,7 +61,7 @@ def test_shape_three_messages_the_answer_and_categories(tmp_path: Path) -> None:
 def test_registered_by_name_and_limit_kept(tmp_path: Path) -> None:
     assert "multi-turn" in STREAMS
     stream = load_stream("multi-turn", answerer=Scripted(), cache_dir=tmp_path, questions=3, log=lambda line: None)
-    assert [r.category for r in stream] == ["writing", "roleplay", "reasoning"]
+    assert [r.category for r in stream] == ["writing", "writing", "roleplay", "roleplay", "reasoning", "reasoning"]
 
 
 def test_second_call_reads_the_cache(tmp_path: Path) -> None:
