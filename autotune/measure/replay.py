@@ -103,6 +103,7 @@ class ReplayRecord:
     control_s: float = 0.0  # its scoring time
     cluster: int | None = None  # the pending cluster an ``unknown`` request joined (``serve --adaptive``)
     tuning_s: float | None = None  # a re-tune's request: the tuning time it carried (``serve --adaptive``)
+    prefix_tokens: int = 0  # prompt tokens whose rows came from the server's prefix cache
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -123,7 +124,8 @@ class ReplayRecord:
                 tokens_per_s=float(info["tokens_per_s"]), ttft_s=float(info["ttft_s"]),
                 latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
                 cluster=None if info.get("cluster") is None else int(info["cluster"]),
-                tuning_s=float(tuning["tuning_s"]) if isinstance(tuning, dict) else None, **extra,
+                tuning_s=float(tuning["tuning_s"]) if isinstance(tuning, dict) else None,
+                prefix_tokens=int(info.get("prefix_tokens", 0)), **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "
