@@ -132,10 +132,13 @@ class LiveServer:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS, **kw):
-    """-> (text, completion token ids, the autotune object) of one greedy chat request."""
+def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS,
+         cache_prompt: bool = True, **kw):
+    """-> (text, completion token ids, the autotune object) of one greedy chat request (``cache_prompt``
+    False: it neither reuses nor leaves prefix-cache rows)."""
     body = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-                extra_body={"autotune": {"strategy": strategy, "return_token_ids": True}}, **kw)
+                extra_body={"autotune": {"strategy": strategy, "return_token_ids": True}, "cache_prompt": cache_prompt},
+                **kw)
     if not stream:
         r = client.chat.completions.create(**body)
         text, usage, info = r.choices[0].message.content, r.usage, r.model_extra["autotune"]
