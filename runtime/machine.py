@@ -14,6 +14,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("AUTOTUNE_CACHE_DIR", Path.home() / ".cache" / "autotune"))
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated now (``MemAvailable``), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def cpu_model_name() -> str:
     """The processor's model name (``/proc/cpuinfo`` on Linux, else what ``platform`` knows)."""
     try:

@@ -38,6 +38,7 @@ from typing import Any
 from autotune.errors import MethodError, RemoteError, SettingError
 from autotune.measure import peers
 from autotune.tuning.study import DEFAULT_DRAFT, DEFAULT_MODEL
+from runtime.machine import available_memory
 
 TOOL = "llama-server"
 HOST = "127.0.0.1"
@@ -149,18 +150,6 @@ def kv_bytes_per_token(alias: str) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * KV_BYTES
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` in bytes, or None where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def fit_context(asked: int | None, slots: int, model_context: int, token_bytes: int, free: int | None) -> int:

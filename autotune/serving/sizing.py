@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import SettingError
+from runtime.machine import available_memory  # noqa: F401  (the server's import)
 
 MAX_BATCH = 16  # the default --max-batch where memory allows it
 KV_SHARE = 0.8  # of the memory free after loading (less the prefix cache), what the requests' KV caches may take
@@ -48,18 +49,6 @@ def kv_bytes_per_slot(config: Any, context: int, element_bytes: int = 4) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * element_bytes * context
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel says can be allocated now (``MemAvailable``), or None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def batch_size(asked: int | None, slot_bytes: int, context: int, free: int | None) -> int:
