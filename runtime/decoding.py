@@ -190,9 +190,8 @@ class Decoder:
     def start_steps(self, prompt: list[int], config: GenerationConfig) -> Generator[int, None, "Sequence"]:
         """:meth:`start` a chunk at a time: the prompt is prefilled in forwards of at most
         ``config.prefill_chunk`` tokens, and after each chunk but the last this yields the tokens
-        prefilled so far (a server steps its running batch there); returns the started sequence.
-        A prefix cache's (``prefix``) leading rows are not prefilled; the prompt's rows go back to it.
-        Raises a clear error before any forward when the prompt does not fit."""
+        prefilled so far (a server steps its running batch there); returns the started sequence. The
+        rows a prefix cache (``prefix``) holds are not prefilled. A prompt that does not fit: an error."""
         self.check_fits(len(prompt), config)
         seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
         seq.gen = decode_generator(self.target.device, config.seed)
