@@ -272,6 +272,9 @@ def test_load_full_queue_and_disconnects(pool, smollm, store):
         acceptance = health.pop("acceptance")  # each route's live acceptance, by strategy
         assert set(acceptance) <= {"gsm8k", "humaneval", "unknown"} and all(
             0.0 <= a <= 1.0 for figures in acceptance.values() for a in figures.values()), acceptance
+        assert health.pop("context") == live.server.context
+        cache = health.pop("prefix_cache")  # the default budget, in use by the requests above
+        assert 0 < cache["used_bytes"] <= cache["budget_bytes"] and 0 <= cache["hit_rate"] <= 1
         assert health == {"status": "ok", "model": MODEL, "queue_depth": 0, "running": 0}
 
 
