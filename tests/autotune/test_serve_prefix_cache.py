@@ -16,6 +16,7 @@ from runtime.prefix_cache import PrefixCache
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
 from tests.helpers import MAX_TOKENS, MODEL, LiveServer
+from tests.runtime.test_prefix_cache import StaleCache
 
 pytestmark = pytest.mark.slow
 MODES = ("plain", "default", "auto")
@@ -88,26 +89,6 @@ def test_every_response_is_the_same_with_the_cache_and_turn_two_reuses_turn_one(
     assert "autotune:prefix_cache_tokens_reused_total" in metrics and "autotune:prefix_cache_hit_rate" in metrics
 
 
-class StaleCache(PrefixCache):
-    """Matches a block by its position alone: a prompt gets the rows of whichever earlier prompt was
-    cached first, whatever its tokens."""
-
-    def reuse(self, lm, tokens, cache, chunk, limit, counted=True):  # type: ignore[no-untyped-def]
-        with self._lock:
-            trie = self._trie(lm, chunk)
-            node, n = trie.root, 0
-            while node.children and n + trie.granularity <= limit:
-                node = next(iter(node.children.values()))
-                cache.all_keys[:, :, n : n + trie.granularity] = node.keys
-                cache.all_values[:, :, n : n + trie.granularity] = node.values
-                n += trie.granularity
-            cache.length = max(cache.length, n)
-            return n
-
-
-# heavy: a third server start-up for the power check; the same check stays in the default run on the decoder
-# (tests/runtime/test_prefix_cache.py), and the identity over HTTP above
-@pytest.mark.heavy
 def test_a_cache_that_serves_a_stale_block_is_caught(pool, store, without_cache):
     server, storage = _server(pool, store, None, StaleCache(2**30))
     with LiveServer(server) as live:
