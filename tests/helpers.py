@@ -205,3 +205,24 @@ def counting(counter: Counter) -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
+
+
+from runtime.prefix_cache import PrefixCache  # noqa: E402
+
+
+class StaleCache(PrefixCache):
+    """A deliberately wrong cache: it matches a block by its position alone, so a prompt that differs
+    from an earlier one inside a block gets the earlier one's rows."""
+
+    def reuse(self, lm, tokens, cache, chunk, limit, counted=True):  # type: ignore[no-untyped-def]
+        with self._lock:
+            trie = self._trie(lm, chunk)
+            node, n = trie.root, 0
+            while node.children and (n + trie.granularity) <= limit:
+                node = next(iter(node.children.values()))
+                assert node.keys is not None and node.values is not None
+                cache.all_keys[:, :, n : n + trie.granularity] = node.keys
+                cache.all_values[:, :, n : n + trie.granularity] = node.values
+                n += trie.granularity
+            cache.length = max(cache.length, n)
+            return n

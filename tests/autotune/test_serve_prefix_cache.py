@@ -15,8 +15,7 @@ from autotune.store.storage import open_storage
 from runtime.prefix_cache import PrefixCache
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
-from tests.helpers import MAX_TOKENS, MODEL, LiveServer
-from tests.runtime.test_prefix_cache import StaleCache
+from tests.helpers import MAX_TOKENS, MODEL, LiveServer, StaleCache
 
 pytestmark = pytest.mark.slow
 MODES = ("plain", "default", "auto")

@@ -18,6 +18,7 @@ from runtime.sampling import SamplingParams
 from runtime.testing import noisy_copy, tiny_model
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
+from tests.helpers import StaleCache
 
 REUSABLE = [b for b in ("gguf", "w8a8", "int4") if BACKEND_AVAILABLE[b]()]
 # dense keeps whole prefill chunks; the first reusable backend any row (the others share its rule:
@@ -106,24 +107,6 @@ def test_rows_of_a_reusable_model_are_the_same_however_they_were_computed() -> N
     assert torch.equal(a.all_keys[:, :, :60], b.all_keys[:, :, :60])
     assert torch.equal(a.all_values[:, :, :60], b.all_values[:, :, :60])
     assert not _target("dense").rows_reusable  # dense GEMMs: rows depend on the call
-
-
-class StaleCache(PrefixCache):
-    """A deliberately wrong cache: it matches a block by its position alone, so a prompt that differs
-    from an earlier one inside a block gets the earlier one's rows."""
-
-    def reuse(self, lm, tokens, cache, chunk, limit, counted=True):  # type: ignore[no-untyped-def]
-        with self._lock:
-            trie = self._trie(lm, chunk)
-            node, n = trie.root, 0
-            while node.children and (n + trie.granularity) <= limit:
-                node = next(iter(node.children.values()))
-                assert node.keys is not None and node.values is not None
-                cache.all_keys[:, :, n : n + trie.granularity] = node.keys
-                cache.all_values[:, :, n : n + trie.granularity] = node.values
-                n += trie.granularity
-            cache.length = max(cache.length, n)
-            return n
 
 
 @pytest.mark.parametrize("backend", ["dense", *REUSABLE[:1]])
