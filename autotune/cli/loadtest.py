@@ -13,7 +13,7 @@ from typing import Any
 from autotune.cli.args import field_default
 from autotune.cli.replay import STREAM_HELP, add_multi_turn_args, stream_config, stream_from_args
 from autotune.errors import CliError
-from autotune.measure.replay import ReplaySettings, parse_modes
+from autotune.measure.replay import CHOSEN, ReplaySettings, parse_modes
 from autotune.serving.server import MAX_BATCH
 
 
@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if not servers and peer is None:
         raise CliError("nothing to measure: pass --url [LABEL=]URL (a running `autotune serve`) and/or --peer")
     levels, modes = _levels(args.concurrency), parse_modes(args.mode)
+    if CHOSEN in modes:
+        raise CliError(f"--mode {CHOSEN} applies to `autotune replay` (auto's choice, forced, request by request)")
     if args.compare is not None and args.compare not in modes:
         raise CliError(f"--compare {args.compare!r} is not among --mode {','.join(modes)}; name one of them")
     compared = args.compare or "auto"

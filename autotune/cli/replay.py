@@ -31,11 +31,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="model name to request (default: the one the server lists)")
     p.add_argument("--mode", default=",".join(field_default(ReplaySettings, "modes")),
                    help="comma list of auto, plain, default or stored strategy ids; each request is sent in every "
-                        "mode (default %(default)s)")
+                        "mode (default %(default)s). chosen, after auto: the strategy auto started the request on, "
+                        "forced (what auto costs beside it)")
     p.add_argument("--concurrency", type=int, default=field_default(ReplaySettings, "concurrency"),
                    help="requests in flight at once (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=field_default(ReplaySettings, "max_tokens"),
                    help="completion tokens per request (default %(default)s)")
+    p.add_argument("--cache-prompt", action="store_true",
+                   help="let requests reuse the server's prefix cache (off: a mode sent after another would find "
+                        "its prompt cached and look faster; on, to measure the cache, e.g. --stream multi-turn)")
     p.add_argument("--limit", type=int, help="send only the stream's first N requests")
     p.add_argument("--timeout", type=float, default=field_default(ReplaySettings, "timeout_s"),
                    help="seconds to wait for one response (default %(default)s)")
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     from autotune.reports.replay_report import aggregate, format_table, write_json
 
     settings = ReplaySettings(url=args.url, model=args.model, modes=parse_modes(args.mode),
-                              concurrency=args.concurrency, max_tokens=args.max_tokens, timeout_s=args.timeout)
+                              concurrency=args.concurrency, max_tokens=args.max_tokens, timeout_s=args.timeout,
+                              cache_prompt=args.cache_prompt)
     requests = stream_from_args(args)
     with ReplayClient(settings) as client:
         model = client.model_name()
@@ -159,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     report = aggregate(records, settings.modes, retunes, tasks)
     report["config"] = {"stream": args.stream, "url": settings.url, "model": model, "modes": list(settings.modes),
                         "requests": len(requests), "max_tokens": settings.max_tokens,
-                        "concurrency": settings.concurrency, **stream_config(args)}
+                        "concurrency": settings.concurrency, "cache_prompt": settings.cache_prompt,
+                        **stream_config(args)}
     print(format_table(report))
     if args.json_out:
         write_json(report, records, args.json_out)

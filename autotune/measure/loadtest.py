@@ -338,7 +338,8 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
                   rounds=rounds, progress=progress)
     points = []
     for label, url in servers:
-        with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) as client:
+        with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s, cache_prompt=True)) \
+                as client:  # served as users send: a later request reuses what an earlier one left
             points += _measure_server(client, label, modes=modes, **shared)
     for peer in peers:
         for level in levels:  # a fresh process per level: none drafts from an earlier level's answers

@@ -2,8 +2,12 @@
 
 Every request of the stream is sent once per mode (``auto``, ``plain``, ``default`` or a stored
 strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
-(request 0 in every mode, then request 1, ...) so the modes see the same server state, greedily
-(temperature 0) with the completion's token ids returned. :mod:`autotune.reports.replay_report` turns the
+(request 0 in every mode, one after another, then request 1, ...) so the modes see the same server
+state, greedily (temperature 0) with the completion's token ids returned. The mode ``chosen`` sends
+the request again right after its ``auto`` one, forcing the strategy ``auto`` started it on
+(``forced_mode``): what ``auto``'s routing, clustering and control cost beside the same strategy.
+Requests go with ``"cache_prompt": false`` unless ``cache_prompt``: a mode sent after another would
+otherwise find the first one's prompt in the server's prefix cache and look faster. :mod:`autotune.reports.replay_report` turns the
 records into the per-category report; the outputs must be identical across modes. The command
 (``autotune replay``, :mod:`autotune.cli.replay`) exits 1 when any differ. Only the server does model
 work: this is an HTTP client (``httpx``).
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,14 +25,15 @@ from autotune.errors import MethodError, RemoteError, SettingError
 from studies.stream import StreamRequest
 
 DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
+CHOSEN = "chosen"  # the strategy ``auto`` started a request on, forced (sent right after the ``auto`` one)
 
 
 def check_mode(mode: str) -> str:
-    """``mode`` when the server's per-request override takes it (a choice or a stored id)."""
-    if mode in STRATEGY_CHOICES or mode.isdigit():
+    """``mode`` when the server's per-request override takes it (a choice or a stored id), or ``chosen``."""
+    if mode in STRATEGY_CHOICES or mode.isdigit() or mode == CHOSEN:
         return mode
-    raise MethodError(f"unknown mode {mode!r}; modes are {', '.join(STRATEGY_CHOICES)} or a stored strategy id "
-                      "(`autotune strategies list`)")
+    raise MethodError(f"unknown mode {mode!r}; modes are {', '.join(STRATEGY_CHOICES)}, a stored strategy id "
+                      f"(`autotune strategies list`) or {CHOSEN} (auto's choice, forced)")
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
@@ -39,6 +44,8 @@ def parse_modes(text: str) -> tuple[str, ...]:
     repeated = [m for i, m in enumerate(modes) if m in modes[:i]]
     if repeated:
         raise MethodError(f"mode {repeated[0]!r} is listed twice in --mode; list each mode once")
+    if CHOSEN in modes and "auto" not in modes[:modes.index(CHOSEN)]:
+        raise MethodError(f"mode {CHOSEN} forces what auto chose: list auto before it, e.g. auto,{CHOSEN},plain")
     return tuple(check_mode(m) for m in modes)
 
 
@@ -61,6 +68,7 @@ class ReplaySettings:
     concurrency: int = 1
     max_tokens: int = 96
     timeout_s: float = 600.0
+    cache_prompt: bool = False  # let requests reuse the server's prefix cache (see the module's docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", base_url(self.url))
@@ -70,11 +78,6 @@ class ReplaySettings:
                 raise SettingError(f"{name} must be at least 1, got {value}")
         if self.timeout_s <= 0:
             raise SettingError(f"timeout must be above 0 seconds, got {self.timeout_s}")
-
-
-def schedule(n_requests: int, modes: Sequence[str]) -> list[tuple[int, str]]:
-    """(request index, mode) in sending order: every mode of request i before request i + 1."""
-    return [(index, mode) for index in range(n_requests) for mode in modes]
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ class ReplayRecord:
     control_switches: int | None = None
     control_final: str | None = None
     control_s: float = 0.0  # its scoring time
+    control_start: str | None = None  # the strategy its controller started it on (``controller.label``)
+    control_prior: str | None = None  # its route's strategy (``controller.label``)
     cluster: int | None = None  # the pending cluster an ``unknown`` request joined (``serve --adaptive``)
     tuning_s: float | None = None  # a re-tune's request: the tuning time it carried (``serve --adaptive``)
     prefix_tokens: int = 0  # prompt tokens whose rows came from the server's prefix cache
@@ -115,7 +120,8 @@ class ReplayRecord:
         try:
             extra = {} if not isinstance(control, dict) else dict(
                 control_switches=int(control["switches"]), control_final=str(control["final"]),
-                control_s=float(control["scoring_s"]))
+                control_s=float(control["scoring_s"]), control_start=_text(control.get("start")),
+                control_prior=_text(control.get("prior")))
             return cls(
                 index=request.index, category=request.category, mode=mode, prompt_id=request.prompt.id,
                 completion_tokens=int(body["usage"]["completion_tokens"]), route=info.get("route"),
@@ -213,7 +219,7 @@ class ReplayClient:
         assert request.prompt.messages is not None  # guaranteed by StreamRequest
         body = {"model": model, "messages": [{"role": r, "content": c} for r, c in request.prompt.messages],
                 "max_tokens": self.settings.max_tokens, "temperature": 0,
-                "autotune": {"strategy": mode, "return_token_ids": True}}
+                "autotune": {"strategy": mode, "return_token_ids": True}, "cache_prompt": self.settings.cache_prompt}
         try:
             response = self.http.post("/v1/chat/completions", json=body)
         except httpx.HTTPError as exc:
@@ -223,6 +229,10 @@ class ReplayClient:
             raise RemoteError(f"request {request.index} ({request.prompt.id}, mode {mode}) answered HTTP "
                               f"{response.status_code}: {_error_message(response)}")
         return ReplayRecord.from_response(request, mode, _body(response, f"request {request.index} ({mode})"))
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _error_message(response: Any) -> str:
@@ -235,15 +245,44 @@ def _error_message(response: Any) -> str:
 Send = Callable[[StreamRequest, str], ReplayRecord]
 
 
+def forced_mode(auto: ReplayRecord) -> str | None:
+    """The mode that forces the strategy ``auto`` started this request on: ``plain`` when its
+    controller started it plainly, else its route's strategy (``plain``, ``default`` or a stored
+    id). None when that cannot be forced the same: a re-tune's request, or a controller that started
+    elsewhere (a route's moved prior) or switched on the way (the forced one would decode otherwise)."""
+    if auto.state != "stored" or auto.control_switches:
+        return None
+    if auto.control_start == "plain":
+        return "plain"
+    if auto.control_start is not None and auto.control_start != auto.control_prior:
+        return None
+    return auto.strategy if auto.strategy in ("plain", "default") or auto.strategy.isdigit() else None
+
+
 def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, concurrency: int = 1,
            progress: Callable[[ReplayRecord], None] | None = None) -> list[ReplayRecord]:
-    """Send every (request, mode) of :func:`schedule` with ``send``, ``concurrency`` at a time (sent in
-    schedule order); the records in schedule order."""
-    order = [(requests[i], mode) for i, mode in schedule(len(requests), modes)]
+    """Send every request in every mode with ``send`` (a request's modes one after another, in
+    ``modes`` order; ``concurrency`` requests at a time) -> the records by request, then mode
+    (``chosen`` only where ``forced_mode`` could force one)."""
+    def one(request: StreamRequest) -> list[ReplayRecord]:
+        out: list[ReplayRecord] = []
+        auto = None
+        for mode in modes:
+            if mode == CHOSEN:
+                forced = forced_mode(auto) if auto is not None else None
+                if forced is None:
+                    continue
+                record = replace(send(request, forced), mode=CHOSEN)
+            else:
+                record = send(request, mode)
+            auto = record if mode == "auto" else auto
+            out.append(_noted(record, progress))
+        return out
+
     if concurrency == 1:
-        return [_noted(send(r, m), progress) for r, m in order]
+        return [r for request in requests for r in one(request)]
     with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(lambda rm: _noted(send(*rm), progress), order))
+        return [r for records in pool.map(one, requests) for r in records]
 
 
 def _noted(record: ReplayRecord, progress: Callable[[ReplayRecord], None] | None) -> ReplayRecord:

@@ -20,10 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from autotune.measure.replay import ReplayRecord
+from autotune.measure.replay import CHOSEN, ReplayRecord
 
 ALL = "all"
 """The category name of the rows over the whole stream."""
+LENGTH_BANDS: tuple[tuple[str, float], ...] = (("<=32", 32), ("33-96", 96), (">96", float("inf")))
+"""Response length bands (completion tokens, at most): short answers apart from the rest."""
 
 
 def categories(records: Sequence[ReplayRecord]) -> list[str]:
@@ -72,13 +74,60 @@ def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
 
 def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str, Any]:
     """Per request: whether every mode returned the same token ids (requests some mode lacks count
-    as differing)."""
+    as differing; ``chosen`` is sent only where it could be forced, and compared where it was)."""
     outputs: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
     for record in records:
         outputs[record.index][record.mode] = record.token_ids
+    required = set(modes) - {CHOSEN}
     differing = sorted(i for i, by_mode in outputs.items()
-                       if set(by_mode) != set(modes) or len(set(by_mode.values())) > 1)
+                       if not required <= set(by_mode) or len(set(by_mode.values())) > 1)
     return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
+
+
+def band_of(tokens: int) -> str:
+    """The length band of a response of ``tokens`` completion tokens (``LENGTH_BANDS``)."""
+    return next(name for name, top in LENGTH_BANDS if tokens <= top)
+
+
+def bands(records: Sequence[ReplayRecord], modes: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (length band, mode) present: the band's figures (``group_stats``) and its tok/s as
+    a share of plain decoding's on the same requests (None without a ``plain`` mode)."""
+    rows = []
+    for name, _ in LENGTH_BANDS:
+        of_band = [r for r in records if band_of(r.completion_tokens) == name]
+        if not of_band:
+            continue
+        plain = group_stats([r for r in of_band if r.mode == "plain"]) if "plain" in modes else None
+        for mode in modes:
+            stats = group_stats([r for r in of_band if r.mode == mode])
+            share = stats["tokens_per_s"] / plain["tokens_per_s"] if plain and plain["tokens_per_s"] else None
+            rows.append({"band": name, "mode": mode, **stats, "vs_plain": share})
+    return rows
+
+
+def forced(records: Sequence[ReplayRecord]) -> dict[str, Any] | None:
+    """``auto`` beside its own choice forced (mode ``chosen``), per length band and over all: the
+    pairs compared, how many drafted identically (same drafted and accepted tokens), and the
+    latency and time-to-first-token ratios forced / auto (1: auto costs nothing beside the strategy
+    it picked; 0.98: 2% more). None without ``chosen`` records."""
+    by_index = {(r.index, r.mode): r for r in records}
+    pairs = [(by_index[(r.index, "auto")], r) for r in records if r.mode == CHOSEN and (r.index, "auto") in by_index]
+    if not pairs:
+        return None
+
+    def figures(group: Sequence[tuple[ReplayRecord, ReplayRecord]]) -> dict[str, Any]:
+        auto_s, forced_s = sum(a.latency_s for a, _ in group), sum(f.latency_s for _, f in group)
+        auto_t, forced_t = sum(a.ttft_s for a, _ in group), sum(f.ttft_s for _, f in group)
+        same = [(a, f) for a, f in group if (a.drafted, a.accepted) == (f.drafted, f.accepted)]
+        same_auto, same_forced = sum(a.latency_s for a, _ in same), sum(f.latency_s for _, f in same)
+        return {"pairs": len(group), "same_drafting": len(same), "auto_latency_s": auto_s,
+                "forced_latency_s": forced_s, "latency_ratio": forced_s / auto_s if auto_s > 0 else None,
+                "ttft_ratio": forced_t / auto_t if auto_t > 0 else None,
+                "same_drafting_latency_ratio": same_forced / same_auto if same_auto > 0 else None}
+
+    out = {name: figures([p for p in pairs if band_of(p[0].completion_tokens) == name])
+           for name, _ in LENGTH_BANDS if any(band_of(a.completion_tokens) == name for a, _ in pairs)}
+    return {**out, ALL: figures(pairs)}
 
 
 def clustering(records: Sequence[ReplayRecord], stored_tasks: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -125,6 +174,7 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
             stats = group_stats([r for r in of_category if r.mode == mode])
             rows.append({"category": category, "mode": mode, **stats, "differ": differ})
     return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
+            "bands": bands(records, modes), "forced": forced(records),
             "route_retunes": dict(route_retunes) if route_retunes is not None else None,
             "stored_tasks": list(stored_tasks) if stored_tasks is not None else None,
             "clustering": clustering(records, stored_tasks)}
@@ -184,6 +234,15 @@ def _caption(report: Mapping[str, Any]) -> str:
     if retunes is not None:
         per_route = ", ".join(f"{route} {n}" for route, n in sorted(retunes.items()) if n) or "none"
         lines.append(f"server re-tunes per route: {per_route}")
+    for r in report.get("bands") or []:
+        if r["mode"] != "plain" and r["vs_plain"] is not None:
+            lines.append(f"{r['band']} tokens, {r['mode']}: {r['tokens_per_s']:.2f} tok/s, {r['vs_plain']:.2f}x plain "
+                         f"({r['requests']} requests)")
+    for band, f in (report.get("forced") or {}).items():
+        ratio = f["latency_ratio"]
+        lines.append(f"auto beside its choice forced, {band} tokens: latency ratio {ratio:.3f} over {f['pairs']} "
+                     f"requests ({f['same_drafting']} drafted identically)" if ratio is not None else
+                     f"auto beside its choice forced, {band} tokens: no latency measured")
     cl = report.get("clustering")
     if cl:
         lines.append(f"pending clusters of unknown requests: adjusted Rand index {cl['ari']:.3f} against the "

@@ -1,6 +1,12 @@
 """Per-request control in the decode worker (``autotune.tuning.controller``): which requests get a
 controller, where each starts, the controllers' measured cost models, and what a request far from
-every stored task starts on."""
+every stored task starts on.
+
+An ``unknown`` request (far from every stored task) starts from what similar requests measured, not
+from an assumed figure (``live_start``): the live acceptance of its pending cluster's requests
+(``serve --adaptive``), else of all ``unknown`` requests, priced by the controllers' cost model; where
+its strategy would draft at a loss at that acceptance, it starts plainly (its controller may still
+switch). With no live figure yet, the start-up judgement stands (``unknown_start``)."""
 from __future__ import annotations
 
 import logging
@@ -9,12 +15,12 @@ from typing import Any
 import torch
 
 from autotune.serving.decoders import DecoderCache
-from autotune.serving.jobs import EXPLICIT_ROUTES, Job, Running
+from autotune.serving.jobs import EXPLICIT_ROUTES, Job, Running, live_keys
 from autotune.serving.routing.router import UNKNOWN
 from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
     controller_cost, decoder_options, lookup_candidate
 from autotune.tuning.cost_model import MeasuredCostModel
-from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, pays_alone
+from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, RouteAcceptance, pays_alone
 from runtime.decoding import Decoder
 from search_spaces.strategy import PLAIN, Strategy
 
@@ -24,8 +30,10 @@ log = logging.getLogger("autotune.serve")
 class Control:
     """The controllers of routed requests (``settings`` None: none, every request keeps its strategy)."""
 
-    def __init__(self, settings: ControlSettings | None, decoders: DecoderCache) -> None:
+    def __init__(self, settings: ControlSettings | None, decoders: DecoderCache,
+                 acceptance: RouteAcceptance | None = None) -> None:
         self.settings, self.decoders = settings, decoders
+        self.acceptance = acceptance if acceptance is not None else RouteAcceptance()  # live, per route (``live_keys``)
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
         self._costs: dict[tuple, MeasuredCostModel] = {}  # cost models, per drafting model and target
@@ -66,26 +74,45 @@ class Control:
     def unknown_start(self, default: Strategy) -> Strategy:
         """What a request far from every stored task starts on (with no general entry stored):
         ``default``, the server's untuned draft, where this server's measured cost model expects
-        it to beat plain decoding alone at ``DEFAULT_ACCEPTANCE``, else plain decoding."""
+        it to beat plain decoding alone at ``DEFAULT_ACCEPTANCE``, else plain decoding. The prior of
+        a server that has seen nothing yet: ``live_start`` replaces it once requests measured."""
         if not default.speculates or self.decoders.servable(default) is not None:
             return PLAIN
         dec = self.decoders.decoder(default)
         cost = self.cost(dec) if self.settings is not None else controller_cost(dec)
+        return default if self._pays(cost, default, DEFAULT_ACCEPTANCE) else PLAIN
+
+    def live_start(self, job: Job, strategy: Strategy, dec: Decoder) -> Strategy | None:
+        """Where an ``unknown`` request decoding ``strategy`` starts, from the live acceptance of
+        similar requests (its cluster's, else every ``unknown`` request's): ``strategy`` where it
+        pays alone at that acceptance, else plain decoding; None with no live figure yet (the
+        start-up judgement stands) and for any other route (its controller's prior decides)."""
+        if job.choice.route != UNKNOWN or not strategy.speculates:
+            return None
+        keys = live_keys(job)[::-1]  # the cluster's first
+        live = next((a for a in (self.acceptance.get(k, strategy) for k in keys) if a is not None), None)
+        if live is None:
+            return None
+        return strategy if self._pays(self.cost(dec), strategy, live) else PLAIN
+
+    @staticmethod
+    def _pays(cost: MeasuredCostModel, strategy: Strategy, acceptance: float) -> bool:
+        """Whether ``strategy`` decoding alone beats plain decoding at ``acceptance``, priced by ``cost``."""
         with torch.inference_mode():
-            per_token = cost.draft_forward_s(default.layer_plan) if default.drafter != "prompt-lookup" else 0.0
-            pays = pays_alone(Candidate.of(default, DEFAULT_ACCEPTANCE, per_token), cost.verify_s, cost.plain_step_s(),
-                              stops_early=default.confidence_threshold > 0 and not default.tree_widths)
-        return default if pays else PLAIN
+            per_token = cost.draft_forward_s(strategy.layer_plan) if strategy.drafter != "prompt-lookup" else 0.0
+            return pays_alone(Candidate.of(strategy, acceptance, per_token), cost.verify_s, cost.plain_step_s(),
+                              stops_early=strategy.confidence_threshold > 0 and not strategy.tree_widths)
 
     def controller(self, job: Job, strategy: Strategy, dec: Decoder) -> RequestController | None:
         """``job``'s controller, starting where its route's latest requests mostly ended; None for
         an explicit choice, a request re-tuning its route and one this server cannot run."""
         if self.settings is None or job.choice.route in EXPLICIT_ROUTES or job.choice.state != "stored":
             return None
-        start = self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.settings),
-                                  job.choice.distance)
+        start = self.live_start(job, strategy, dec) or \
+            self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.settings),
+                              job.choice.distance)
         return RequestController(strategy, dec, self.cost(dec), len(job.ids), self.settings, self.corrections,
-                                 start=start)
+                                 start=start, max_new_tokens=job.cfg.max_new_tokens)
 
     @staticmethod
     def before_round(batch: list[Running]) -> None:

@@ -43,13 +43,27 @@ class CostFigures:
         self.catch_ups.setdefault(drafter, CatchUpCost()).observe(tokens, seconds)
 
     def observe_finished(self, route: str, r: Any) -> None:
-        """``r`` left its batch: where one speculative strategy decoded it all, its per-token draft
-        price and its acceptance on ``route``."""
+        """``r`` left its batch: where one speculative strategy did all its drafting (it may have
+        switched to plain decoding since), its per-token draft price and its acceptance on ``route``
+        (a request shorter than any window too: the next one of its kind starts from it)."""
         stats = r.member.seq.stats
-        # the one it started with (its route's moved prior, maybe not its decoder's key)
-        if stats.drafted and r.current.speculates and (r.control is None or not r.control.switches):
-            self.draft_token_s[r.current.drafter] = stats.draft_s / stats.drafted
-            self.acceptance.observe(route, r.current, stats.accepted, stats.drafted)
+        drafted_with = _one_drafting(r)
+        if stats.drafted and drafted_with is not None:
+            self.draft_token_s[drafted_with.drafter] = stats.draft_s / stats.drafted
+            self.acceptance.observe(route, drafted_with, stats.accepted, stats.drafted)
+
+
+def _one_drafting(r: Any) -> Any:
+    """The one speculative strategy that drafted all of ``r``'s drafts (None: several, or none):
+    its start (its route's moved prior, maybe not its decoder's key) when every switch since went
+    to plain decoding."""
+    control = r.control
+    if control is None:
+        return r.current if r.current.speculates else None
+    start = control.started_with
+    if start.speculates and all(not d.switched or d.chose == "plain" for d in control.decisions):
+        return start
+    return None
 
 
 def draft_key(decoder: Decoder) -> str | None:

@@ -73,6 +73,19 @@ class Job:
     tuning: dict[str, Any] | None = None  # a re-tune's request: the tuning it carried (``Adapter.generate_retune``)
 
 
+def live_keys(job: Job) -> list[str]:
+    """The keys ``job``'s live acceptance is kept under (``CostFigures.acceptance``): its route, and
+    for an ``unknown`` request in a pending cluster (``serve --adaptive``) that cluster's
+    (``unknown#<id>``), so the next request of its kind starts from what its kind measured."""
+    cluster = job.adapt[2] if job.adapt is not None else None
+    return [job.choice.route] + ([cluster_key(cluster)] if cluster is not None else [])
+
+
+def cluster_key(cluster: int) -> str:
+    """The live-acceptance key of the pending cluster ``cluster`` of unknown traffic."""
+    return f"unknown#{cluster}"
+
+
 @dataclass
 class Running:
     """A request in the running batch."""

@@ -14,7 +14,8 @@ from autotune.serving.answers import after_round, complete
 from autotune.serving.control import Control
 from autotune.serving.costs import CostFigures
 from autotune.serving.decoders import DecoderCache
-from autotune.serving.jobs import Job, Prefilling, Running, decode_failed, shutting_down, user_errors, worker_dead
+from autotune.serving.jobs import Job, Prefilling, Running, decode_failed, live_keys, shutting_down, user_errors, \
+    worker_dead
 from autotune.serving.planner import plan_step
 from autotune.serving.protocol import ApiError
 from autotune.serving.request_queue import RequestQueue
@@ -219,19 +220,16 @@ class DecodeLoop:
                     self.figures.observe_catch_up(r.current.drafter, ran, seq.stats.prefill_s - before)
 
     def _leave(self, r: Running) -> None:
-        """``r`` is done (finished, stopped, or its client left): out of the batch, answered."""
+        """``r`` is done (finished, stopped, or its client left): out of the batch, answered; then
+        the bookkeeping its answer does not wait for (its rows kept for later prompts, its route's
+        adaptive judgement)."""
         self.batch.remove(r)
-        try:  # its rows, for later requests that share its tokens (a chat's next turn)
-            r.member.decoder.remember(r.member.seq)
-        except Exception:  # the answer is ready: a prefix cache that could not keep it loses nothing
-            log.exception("keeping a request's rows in the prefix cache failed")
-        self.decoders.release(r.strategy, r.member.decoder)
-        self.figures.observe_finished(r.job.choice.route, r)
+        for key in live_keys(r.job):  # its acceptance: where similar requests start (``Control.live_start``)
+            self.figures.observe_finished(key, r)
+        result = None
         try:
             result = r.member.seq.result()
             self.control.finished(r, result.stats.wall_s - result.stats.prefill_s, self.hooks.on_control)
-            if self.adapter is not None:
-                self.adapter.decoded(r.job, result)
             if not r.job.cancelled.is_set():
                 complete(r.job, result, self.hooks.on_done)
             self.failures = 0
@@ -241,6 +239,16 @@ class DecodeLoop:
             self.failures += 1
             log.exception("finishing a request failed")
             r.job.emit("error", decode_failed())
+        try:  # its rows, for later requests that share its tokens (a chat's next turn)
+            r.member.decoder.remember(r.member.seq)
+        except Exception:  # answered already: a prefix cache that could not keep it loses nothing
+            log.exception("keeping a request's rows in the prefix cache failed")
+        self.decoders.release(r.strategy, r.member.decoder)
+        if self.adapter is not None and result is not None:
+            try:
+                self.adapter.decoded(r.job, result)
+            except Exception:
+                log.exception("adaptive serving's bookkeeping after a request failed")
 
     def _fail(self, job: Job, running: Running | None, err: ApiError) -> None:
         if running is not None and running in self.batch:

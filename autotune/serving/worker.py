@@ -77,7 +77,7 @@ class DecodeWorker:
         prefix = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes and not pool.compile else None
         self.decoders = DecoderCache(pool, target, draft, config.control, config.max_decoders, config.max_batch, prefix)
         self.figures = CostFigures(acceptance=RouteAcceptance(min_drafts=config.acceptance_min_drafts))
-        self.control = Control(config.control, self.decoders)
+        self.control = Control(config.control, self.decoders, self.figures.acceptance)
         self.adapter = adapt(SharedDecoders(self.decoders, self.control)) if adapt is not None else None
         self.loop = DecodeLoop(config, hooks, self.requests, self.decoders, self.figures, self.control, self.adapter)
         self._thread = threading.Thread(target=self.loop.run, name="autotune-decode", daemon=True)

@@ -209,10 +209,14 @@ class RequestController:
 
     def __init__(self, prior: Strategy, decoder: Decoder, cost: CostModel, prompt_len: int,
                  settings: ControlSettings = ControlSettings(), corrections: Corrections | None = None,
-                 clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None,
+                 max_new_tokens: int | None = None) -> None:
         """``prior``: the route's strategy (its candidates are built around it); ``start``: where
-        decoding starts when not there (``RoutePriors``; one of the candidates, applied here)."""
+        decoding starts when not there (``RoutePriors``; one of the candidates, applied here);
+        ``max_new_tokens``: where the request ends at the latest (a decision whose window would
+        not complete before it scores nothing: only the measured guard runs)."""
         self.prior, self.cost, self.settings, self.clock = prior, cost, settings, clock
+        self.max_new_tokens = max_new_tokens
         self.corrections = corrections if corrections is not None else Corrections()
         self.options = decoder_options(prior, decoder, settings)
         self.horizon = max([s.draft_length for s in self.options if s.speculates] or [1])
@@ -257,7 +261,10 @@ class RequestController:
             return
         started = self.clock()
         try:
-            self._decide(decoder, tokens, generated)
+            if self.max_new_tokens is not None and generated + self.settings.window > self.max_new_tokens:
+                self._guard_only(decoder, generated)  # no window left to pay back a score
+            else:
+                self._decide(decoder, tokens, generated)
         finally:
             spent = self.clock() - started
             self.scoring_s += spent
@@ -281,13 +288,20 @@ class RequestController:
             self._spec_rounds.pop(0)
 
     # ------------------------------------------------------------------ decisions
+    def _guard_only(self, decoder: Decoder, generated: int) -> bool:
+        """Speculation measured slower than plain decoding stops here (``stopped``) -> whether it did."""
+        plain_tps = 1.0 / self.cost.plain_step_s()
+        if not (self.current.speculates and self._guard_trips(plain_tps)):
+            return False
+        self._switch(decoder, PLAIN, generated, {label(self.current): self._measured() or 0.0, "plain": plain_tps},
+                     "guard")
+        self.stopped = True
+        return True
+
     def _decide(self, decoder: Decoder, tokens: list[int], generated: int) -> None:
         plain_tps = 1.0 / self.cost.plain_step_s()
         measured = self._measured()
-        if self.current.speculates and self._guard_trips(plain_tps):
-            self._switch(decoder, PLAIN, generated, {label(self.current): measured or 0.0, "plain": plain_tps},
-                         "guard")
-            self.stopped = True
+        if self._guard_only(decoder, generated):
             return
         if measured is not None and self._predicted and self.current.speculates:
             self.corrections.observe(self.current.drafter, measured / self._predicted)
@@ -413,7 +427,8 @@ def generate_controlled(decoder: Decoder, prompt: list[int], config: Any, prior:
     controller: its ``summary``). ``decoder`` holds ``prior`` and, on standby, every drafter kind
     a candidate needs; it is left configured for ``prior``."""
     decoder.apply(prior)
-    ctl = RequestController(prior, decoder, cost, len(prompt), settings, corrections)
+    ctl = RequestController(prior, decoder, cost, len(prompt), settings, corrections,
+                            max_new_tokens=config.max_new_tokens)
     try:
         result = decoder.generate(prompt, config, before_round=ctl.before_round, after_round=after_round)
     finally:

@@ -14,9 +14,10 @@ import pytest
 import autotune.cli.main
 import autotune.cli.replay
 from autotune.errors import MethodError, SettingError
-from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, parse_modes, replay, schedule
-from autotune.reports.replay_report import aggregate, category_bands, clustering, format_table, identical, replay_plot, \
-    row, switches
+from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, forced_mode, parse_modes, \
+    replay
+from autotune.reports.replay_report import aggregate, bands, category_bands, clustering, forced, format_table, identical, \
+    replay_plot, row, switches
 from studies import Prompt, StreamRequest, write_stream
 from tests.helpers import LiveServer, assert_one_line_error, run
 
@@ -35,12 +36,6 @@ def _record(index: int, category: str, mode: str, **kw: Any) -> ReplayRecord:
 
 
 # ---------------------------------------------------------------------- pure parts
-def test_schedule_interleaves_modes_per_request() -> None:
-    assert schedule(3, ("auto", "plain")) == [(0, "auto"), (0, "plain"), (1, "auto"), (1, "plain"), (2, "auto"),
-                                              (2, "plain")]
-    assert schedule(0, ("auto",)) == []
-
-
 def test_a_load_point_takes_the_stream_one_category_at_a_time() -> None:
     """The ``mixed`` stream comes in blocks of one category: a load point's first requests take
     each category in turn, so that a point of few requests is not one task's."""
@@ -141,7 +136,7 @@ def test_loadtest_compare_names_a_measured_mode(capsys: pytest.CaptureFixture[st
                              "--compare", "auto"], "--compare 'auto' is not among --mode plain,default")
 
 
-def test_replay_sends_in_schedule_order() -> None:
+def test_replay_sends_each_requests_modes_in_a_row() -> None:
     requests = [_request(i, "a") for i in range(3)]
     sent: list[tuple[int, str]] = []
     lock = threading.Lock()
@@ -152,10 +147,73 @@ def test_replay_sends_in_schedule_order() -> None:
         return _record(request.index, request.category, mode)
 
     records = replay(requests, ("auto", "plain", "default"), send)
-    assert sent == schedule(3, ("auto", "plain", "default"))
+    assert sent == [(i, m) for i in range(3) for m in ("auto", "plain", "default")]
     assert [(r.index, r.mode) for r in records] == sent
+    sent.clear()
     concurrent = replay(requests, ("auto", "plain"), send, concurrency=3)
-    assert [(r.index, r.mode) for r in concurrent] == schedule(3, ("auto", "plain"))  # results in schedule order
+    assert [(r.index, r.mode) for r in concurrent] == [(i, m) for i in range(3) for m in ("auto", "plain")]
+    for i in range(3):  # a request's modes one after another, whatever runs beside them
+        mine = [m for j, m in sent if j == i]
+        assert mine == ["auto", "plain"]
+
+
+def test_chosen_forces_what_auto_started_on() -> None:
+    """``chosen`` resends a request right after its ``auto`` one with the strategy ``auto`` started
+    it on: plain where its controller started plainly, the route's strategy where it started there,
+    and nothing where the forced request could not decode the same way."""
+    def auto(**kw: Any) -> ReplayRecord:
+        base = dict(strategy="default", control_switches=0, control_start="draft-model-10",
+                    control_prior="draft-model-10")
+        return _record(0, "a", "auto", **{**base, **kw})
+
+    assert forced_mode(auto()) == "default"
+    assert forced_mode(auto(strategy="7", control_start="lookup-8", control_prior="lookup-8")) == "7"
+    assert forced_mode(auto(control_start="plain")) == "plain"  # a live start: plainly
+    assert forced_mode(auto(control_start="lookup-8")) is None  # a moved prior: not forceable by name
+    assert forced_mode(auto(control_switches=1)) is None  # switched on the way
+    assert forced_mode(auto(state="tuning")) is None
+    assert forced_mode(auto(strategy="plain", control_start=None, control_prior=None)) == "plain"  # no controller
+
+    sent: list[tuple[int, str]] = []
+
+    def send(request: StreamRequest, mode: str) -> ReplayRecord:
+        sent.append((request.index, mode))
+        start = "plain" if request.index == 1 else "draft-model-10"
+        return _record(request.index, "a", mode, strategy=mode if mode != "auto" else "default", control_switches=0,
+                       control_start=start if mode == "auto" else None, control_prior="draft-model-10")
+
+    records = replay([_request(i, "a") for i in range(2)], parse_modes("auto,chosen,plain"), send)
+    assert sent == [(0, "auto"), (0, "default"), (0, "plain"), (1, "auto"), (1, "plain"), (1, "plain")]
+    assert [(r.index, r.mode) for r in records] == [(0, "auto"), (0, "chosen"), (0, "plain"), (1, "auto"),
+                                                    (1, "chosen"), (1, "plain")]
+    with pytest.raises(MethodError, match="list auto before it"):
+        parse_modes("chosen,auto")
+
+
+def test_length_bands_and_auto_beside_its_choice() -> None:
+    records = [
+        _record(0, "qa", "auto", completion_tokens=12, tokens_per_s=10.0, latency_s=1.00, ttft_s=0.2),
+        _record(0, "qa", "chosen", completion_tokens=12, tokens_per_s=10.0, latency_s=0.99, ttft_s=0.2),
+        _record(0, "qa", "plain", completion_tokens=12, tokens_per_s=12.0, latency_s=0.9),
+        _record(1, "code", "auto", completion_tokens=90, tokens_per_s=30.0, latency_s=3.0, ttft_s=0.3, drafted=40,
+                accepted=30),
+        _record(1, "code", "chosen", completion_tokens=90, tokens_per_s=30.0, latency_s=3.3, ttft_s=0.3, drafted=40,
+                accepted=29),
+        _record(1, "code", "plain", completion_tokens=90, tokens_per_s=10.0, latency_s=9.0),
+    ]
+    rows = {(r["band"], r["mode"]): r for r in bands(records, ("auto", "chosen", "plain"))}
+    assert set(rows) == {(b, m) for b in ("<=32", "33-96") for m in ("auto", "chosen", "plain")}
+    assert rows[("<=32", "auto")]["vs_plain"] == pytest.approx(10 / 12)
+    assert rows[("33-96", "auto")]["vs_plain"] == pytest.approx(3.0)
+    f = forced(records)
+    assert f["<=32"]["latency_ratio"] == pytest.approx(0.99) and f["<=32"]["same_drafting"] == 1
+    assert f["33-96"]["same_drafting"] == 0 and f["33-96"]["same_drafting_latency_ratio"] is None
+    assert f["all"]["latency_ratio"] == pytest.approx(4.29 / 4.0) and f["all"]["pairs"] == 2
+    assert forced([r for r in records if r.mode != "chosen"]) is None
+    report = aggregate(records, ("auto", "chosen", "plain"))
+    assert report["identical"]["differ"] == 0 and report["forced"] == f
+    text = format_table(report)
+    assert "<=32 tokens, auto" in text and "latency ratio 0.990" in text
 
 
 def test_modes_and_urls() -> None:

@@ -20,6 +20,7 @@ from autotune.store.storage import open_storage
 from runtime.decoding import GenerationConfig
 from runtime.pipeline import build_decoder, eos_ids
 from runtime.stats import DecodeStats
+from search_spaces import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt
 from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, routing_texts
@@ -252,6 +253,50 @@ def test_unknown_traffic_starts_on_what_the_server_measured(pool, smollm, tmp_pa
             assert ids == plain_ids(pool, smollm, TRANSLATE[0], 16)
             if settings is not None:
                 assert server.worker.adapter.describe()["unknown"]["requests"] == 1
+
+
+# a layer plan that skips most of SmolLM2's layers: its drafts are mostly rejected
+POOR = Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(30, 0.7))
+
+
+def starts_plainly(info: dict) -> bool:
+    """Whether a response's request started plainly and drafted nothing (the live start)."""
+    return info["control"]["start"] == "plain" and info["drafted"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [
+    pytest.param("live", id="live-start"),
+    # power check: the assumed figure's rule (every unknown request starts on its stored strategy)
+    pytest.param("assumed", id="power-check", marks=pytest.mark.heavy),
+])
+def test_a_cluster_that_drafted_at_a_loss_starts_its_next_request_plainly(pool, smollm, tmp_path, rule):
+    """Unknown requests of one kind whose drafts were mostly rejected - each shorter than the
+    controller's first window, so nothing inside them could change course - make the next request
+    of their pending cluster start plainly (``Control.live_start``), with plain decoding's output.
+    The power check starts every request from the assumed figure, as before, and the next request
+    drafts at a loss again: the check above would catch it."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    with open_storage(url) as storage:  # the general entry: what unknown requests decode with
+        storage.record(strategy_key(smollm, None, "prompts", "cpu"), POOR, ResultMetrics.from_throughput(20.0))
+        settings = AdaptSettings(min_requests=50, new_route_requests=50)  # no judgement, no new route here
+        server = build_server(ServeConfig(model=MODEL, storage=url, adaptive=settings), storage, pool=pool)
+        control = server.worker.control
+        if rule == "assumed":
+            control.live_start = lambda job, strategy, dec: None
+        with LiveServer(server) as live:
+            client = live.client()
+            _, _, first = chat(client, TRANSLATE[0], max_tokens=24)  # nothing measured yet: the stored strategy
+            assert first["route"] == "unknown" and not starts_plainly(first)
+            assert first["drafted"] >= server.worker.figures.acceptance.min_drafts
+            live_acceptance = server.worker.figures.acceptance.get(f"unknown#{first['cluster']}", POOR)
+            assert live_acceptance is not None and live_acceptance < 0.5
+            cost = control.cost(server.worker.decoders.decoder(POOR))
+            assert not control._pays(cost, POOR, live_acceptance)  # drafting at this acceptance is a loss
+            for text in TRANSLATE[1:3]:
+                _, ids, info = chat(client, text, max_tokens=24)
+                assert info["cluster"] == first["cluster"] and ids == plain_ids(pool, smollm, text, 24)
+                assert starts_plainly(info) == (rule == "live")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""How well pending clusters group unknown traffic by task: the measurement behind ``form_vectors``.
+"""How well pending clusters group unknown traffic by task: the measurement behind ``clusters.weigh_stacked``.
 
 ``python -m autotune.serving.adaptive.cluster_eval`` sends the ``mixed`` stream's requests of
 categories no study stored (default XSum, NQ-open and ASDiv; then with MT-Bench's questions) through
@@ -41,19 +41,17 @@ def score(tasks: Sequence[str], block: int = 4, blocks_per_task: int = 3, offset
     if vectors is None:
         ids = cluster_ids(texts)
     else:
-        with mock.patch.object(clusters, "form_vectors", vectors):
+        with mock.patch.object(clusters, "weigh_stacked", vectors):
             ids = cluster_ids(texts)
     return adjusted_rand_score([r.category for r in requests], ids), len(set(ids))
 
 
-def content_only(texts: Sequence[str]):
+def content_only(counts: clusters.Features):
     """The router's word TF-IDF alone (what pending clusters used before task form)."""
+    from sklearn.feature_extraction.text import TfidfTransformer
     from sklearn.preprocessing import normalize
 
-    from autotune.serving.routing.router import make_vectorizer
-    from autotune.store.records import clip_prompt
-
-    return normalize(make_vectorizer().fit_transform([clip_prompt(t) for t in texts]))
+    return normalize(TfidfTransformer(sublinear_tf=True).fit_transform(counts[1]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
