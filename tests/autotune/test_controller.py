@@ -89,7 +89,7 @@ def decoder_with(hf_target, draft: CausalLM, lookup: bool) -> Decoder:
 
 def run(hf_target, controlled: bool, draft: CausalLM | None = None, lookup: bool = False,
         cost: FixedCostModel = COST, prior: Strategy = CHAIN, settings: ControlSettings = SETTINGS,
-        corrections: Corrections | None = None):
+        corrections: Corrections | None = None, max_new_tokens: int | None = None):
     """Decode with ``prior`` (under the controller, or not) -> (tokens, controller or None,
     [(generated tokens, drafted so far)] after every round)."""
     draft = draft if draft is not None else Diverging(hf_target, len(PROMPT) + DIVERGE_AT)
@@ -115,7 +115,8 @@ def run(hf_target, controlled: bool, draft: CausalLM | None = None, lookup: bool
         return hook
 
     dec.apply(prior)
-    ctl = RequestController(prior, dec, cost, len(PROMPT), settings, corrections or Corrections())
+    ctl = RequestController(prior, dec, cost, len(PROMPT), settings, corrections or Corrections(),
+                            max_new_tokens=max_new_tokens)
     ctl_box["c"] = ctl
     result = dec.generate(PROMPT, cfg, before_round=make_hook(ctl))
     return result.tokens, ctl, seen
@@ -140,6 +141,17 @@ def test_diverging_drafts_switch_to_plain_within_two_windows(hf_target):
     assert ctl.current == PLAIN and ctl.switches >= 1  # ... and went plain once they did not
     assert switched_to_plain_within_two_windows(seen), ctl.decisions
     assert ctl.decisions[0].chose == label(CHAIN) and not ctl.decisions[0].switched  # kept while it matched
+
+
+def test_no_scoring_where_the_request_ends_before_the_window_completes(hf_target):
+    """A request that knows its end scores no window it cannot finish: here the controller of a
+    request of ``N_NEW`` tokens told it ends after ``3 * WINDOW`` scores only at ``WINDOW`` and
+    ``2 * WINDOW`` (the diverging draft is still kept then), where the same controller without an
+    end scores at every window."""
+    _, told, _ = run(hf_target, controlled=True, max_new_tokens=3 * WINDOW)
+    _, untold, _ = run(hf_target, controlled=True)
+    assert [d.at for d in told.decisions] == [d.at for d in untold.decisions if d.at + WINDOW <= 3 * WINDOW]
+    assert len(untold.decisions) > len(told.decisions) >= 1
 
 
 def test_without_the_controller_the_diverging_draft_keeps_drafting(hf_target):

@@ -101,3 +101,30 @@ def test_a_candidate_prices_its_drafting_from_what_was_measured_first():
     figures.acceptance.observe("gsm8k", CHAIN, 9, 10)  # the route's live figure, over a stored 0.2
     live, stored = _running(CHAIN, acceptance=0.2), _running(CHAIN, acceptance=0.2, route="xsum")
     assert candidate(live, figures).acceptance > candidate(stored, figures).acceptance
+
+
+def test_a_finished_requests_acceptance_counts_where_one_strategy_did_all_its_drafting():
+    """A request's acceptance teaches its route (and its cluster's key) when one speculative
+    strategy drafted all its tokens: uncontrolled, controlled without switches, or switched only to
+    plain decoding since; not after a switch to another draft."""
+    from autotune.tuning.controller import Decision
+
+    chain = Strategy(drafter="draft-model", draft_length=4)
+    look = Strategy(drafter="prompt-lookup", draft_length=8)
+
+    def finished(current: Strategy, start: Strategy | None, path: list[str]) -> SimpleNamespace:
+        stats = DecodeStats(new_tokens=20, drafted=16, accepted=4, draft_s=0.16)
+        control = None if start is None else SimpleNamespace(
+            started_with=start, current=current, decisions=[Decision(8 * i, {}, c, True, "predicted")
+                                                             for i, c in enumerate(path)])
+        return SimpleNamespace(member=SimpleNamespace(seq=SimpleNamespace(stats=stats)), control=control,
+                               current=current)
+
+    cases = {"uncontrolled": (finished(chain, None, []), True), "kept": (finished(chain, chain, []), True),
+             "to plain": (finished(PLAIN, chain, ["plain"]), True),
+             "to lookup": (finished(look, chain, ["lookup-8"]), False),
+             "started plainly": (finished(PLAIN, PLAIN, []), False)}
+    for name, (r, counts) in cases.items():
+        figures = CostFigures(acceptance=RouteAcceptance(min_drafts=1))
+        figures.observe_finished("unknown#3", r)
+        assert (figures.acceptance.get("unknown#3", chain) == 0.25) == counts, name

@@ -31,7 +31,7 @@ from autotune.store.records import clip_prompt
 NEW_ROUTE_PREFIX = "auto:"
 FORM_WEIGHT = 0.5  # share of the form block (the instruction's character n-grams) in the distance
 INSTRUCTION_CHARS = 400  # the instruction part is looked for in this many leading characters
-HASHED_FEATURES = 2**18  # columns terms are hashed to (collisions among a few thousand terms: rare and harmless)
+HASHED_FEATURES = 2**20  # columns terms are hashed to (a collision among a few thousand terms: rare and harmless)
 _SENTENCE_END = re.compile(r"[.?!:\n]")
 
 
