@@ -33,14 +33,12 @@ speculation-friendly would never be noticed. After ``recheck_plain_requests`` re
 plain entry it re-tunes the same way (plain stays the incumbent, so nothing is lost but the capped
 tuning share), and the result, plain again or a faster strategy, becomes its entry.
 
-Requests routed to ``unknown`` (far from every task) decode with the store's general entry (task
-``prompts``) or, with none stored, plainly, as without ``--adaptive``; each request's controller
-may still switch to prompt lookup on its own tokens. (They used to start on the server's default
-draft chain, judged and re-tuned from there: at int4 on a 2-core CPU that chain ran 0.64-0.93x
-plain on every category of the ``mixed`` replay but HumanEval, and answers shorter than the
-controller's first window never left it; translation ran 0.79x plain.) A plain ``unknown`` is
-re-checked like any plain route (``recheck_plain_requests``), and its result is stored as the
-general entry (later unknown requests decode with it).
+Requests routed to ``unknown`` (far from every task) decode as without ``--adaptive``: with the
+store's general entry (task ``prompts``), else the server's fallback (``Control.unknown_start``),
+starting plainly where their pending cluster's live acceptance (``jobs.live_keys``) says drafting
+is at a loss (``Control.live_start``); each request's controller may still switch on its own
+tokens. A plain ``unknown`` is re-checked like any plain route (``recheck_plain_requests``), and
+its result is stored as the general entry (later unknown requests decode with it).
 
 They also collect into **pending clusters** (``PendingClusters``, at most ``max_clusters``; an
 evicted cluster's re-tune is dropped with it): each joins the nearest cluster by task form and
