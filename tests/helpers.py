@@ -132,6 +132,15 @@ class LiveServer:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def settled(server, timeout_s: float = 30.0) -> None:
+    """Wait until the decode worker's bookkeeping after the last answer is done (its rows in the
+    prefix cache, its route judged): what ``/health`` and the adaptive layer show trails the answer."""
+    deadline = time.time() + timeout_s
+    while server.worker.loop.leaving:
+        assert time.time() < deadline, "the decode worker did not settle after its last answer"
+        time.sleep(0.01)
+
+
 def chat(client, text: str, strategy: str = "auto", stream: bool = False, max_tokens: int = MAX_TOKENS,
          cache_prompt: bool = True, **kw):
     """-> (text, completion token ids, the autotune object) of one greedy chat request (``cache_prompt``

@@ -56,6 +56,7 @@ class DecodeLoop:
         self.solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
         self.prefilling: Prefilling | None = None  # a long prompt's prefill, a chunk between steps (it is solo)
         self._stop_seen = False
+        self.leaving = False  # a request was answered and its bookkeeping runs (``_leave``)
 
     def running_jobs(self) -> list[Job]:
         """The requests being decoded now (for the drain's expiry, on its timer thread)."""
@@ -222,7 +223,15 @@ class DecodeLoop:
     def _leave(self, r: Running) -> None:
         """``r`` is done (finished, stopped, or its client left): out of the batch, answered; then
         the bookkeeping its answer does not wait for (its rows kept for later prompts, its route's
-        adaptive judgement)."""
+        adaptive judgement): ``/health`` shows them a few milliseconds after the answer (``leaving``
+        is set until then)."""
+        self.leaving = True
+        try:
+            self._answer_and_keep(r)
+        finally:
+            self.leaving = False
+
+    def _answer_and_keep(self, r: Running) -> None:
         self.batch.remove(r)
         for key in live_keys(r.job):  # its acceptance: where similar requests start (``Control.live_start``)
             self.figures.observe_finished(key, r)

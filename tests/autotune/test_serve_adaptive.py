@@ -23,7 +23,7 @@ from runtime.stats import DecodeStats
 from search_spaces import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt
-from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, routing_texts
+from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, routing_texts, settled
 
 LOOKUP = Strategy(drafter="prompt-lookup", draft_length=6)
 # a second kind of unknown traffic, far from both code and the translations
@@ -169,6 +169,7 @@ def test_drift_falls_back_retunes_and_stores_with_history(pool, smollm, tmp_path
             # HumanEval prompts, ~0.15 on GSM8K's, noisy per 32-token request; the EWMA needs a few)
             assert first <= 2 + 8
             assert infos[first]["strategy"] == "tuning" and infos[first]["drafted"] == 0  # plain at once
+            settled(server)
             events = server.worker.adapter.events
             # the result replaces the entry ("stored") when it decoded the re-tune's requests at least
             # as fast as the stored lookup, else the entry stays ("kept"; the rule is tested apart,
@@ -252,6 +253,7 @@ def test_unknown_traffic_starts_on_what_the_server_measured(pool, smollm, tmp_pa
             assert start == "default" or info["drafted"] == 0
             assert ids == plain_ids(pool, smollm, TRANSLATE[0], 16)
             if settings is not None:
+                settled(server)
                 assert server.worker.adapter.describe()["unknown"]["requests"] == 1
 
 

@@ -29,7 +29,7 @@ from runtime.pipeline import build_decoder, eos_ids
 from search_spaces.layer_plan import uniform_skip_plan
 from search_spaces.strategy import PLAIN, Strategy
 from studies import Prompt, encode_prompt
-from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, metric, routing_texts
+from tests.helpers import MODEL, TRANSLATE, LiveServer, chat, metric, routing_texts, settled
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,7 @@ def _serve(pool, url: str, **cfg):
 
 
 def _health(live: LiveServer) -> dict:
+    settled(live.server)  # the figures of the last request's route trail its answer
     r = httpx.get(f"{live.url}/health", timeout=30)
     assert r.status_code == 200, r.text
     return r.json()

@@ -15,7 +15,7 @@ from autotune.store.storage import open_storage
 from runtime.prefix_cache import PrefixCache
 from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
-from tests.helpers import MAX_TOKENS, MODEL, LiveServer, StaleCache
+from tests.helpers import MAX_TOKENS, MODEL, LiveServer, StaleCache, settled
 
 pytestmark = pytest.mark.slow
 MODES = ("plain", "default", "auto")
@@ -75,6 +75,7 @@ def test_every_response_is_the_same_with_the_cache_and_turn_two_reuses_turn_one(
     server, storage = _server(pool, store, None)  # the default budget
     with LiveServer(server) as live:
         got = _conversations(live)
+        settled(server)
         health = httpx.get(f"{live.url}/health").json()
         metrics = httpx.get(f"{live.url}/metrics").text
         opted_out = _conversations(live, ("plain",), cache_prompt=False)
