@@ -30,10 +30,9 @@ log = logging.getLogger("autotune.serve")
 class Control:
     """The controllers of routed requests (``settings`` None: none, every request keeps its strategy)."""
 
-    def __init__(self, settings: ControlSettings | None, decoders: DecoderCache,
-                 acceptance: RouteAcceptance | None = None) -> None:
+    def __init__(self, settings: ControlSettings | None, decoders: DecoderCache, acceptance: RouteAcceptance) -> None:
         self.settings, self.decoders = settings, decoders
-        self.acceptance = acceptance if acceptance is not None else RouteAcceptance()  # live, per route (``live_keys``)
+        self.acceptance = acceptance  # the worker's live acceptance per route and cluster (``jobs.live_keys``)
         self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
         self._costs: dict[tuple, MeasuredCostModel] = {}  # cost models, per drafting model and target

@@ -42,15 +42,17 @@ class CostFigures:
         """A drafting model caught up on ``tokens`` of a sequence in ``seconds``."""
         self.catch_ups.setdefault(drafter, CatchUpCost()).observe(tokens, seconds)
 
-    def observe_finished(self, route: str, r: Any) -> None:
+    def observe_finished(self, keys: list[str], r: Any) -> None:
         """``r`` left its batch: where one speculative strategy did all its drafting (it may have
-        switched to plain decoding since), its per-token draft price and its acceptance on ``route``
-        (a request shorter than any window too: the next one of its kind starts from it)."""
+        switched to plain decoding since), its per-token draft price, and its acceptance under each
+        of ``keys`` (its route, its pending cluster: ``jobs.live_keys``; a request shorter than any
+        window too: the next one of its kind starts from it)."""
         stats = r.member.seq.stats
         drafted_with = _one_drafting(r)
         if stats.drafted and drafted_with is not None:
             self.draft_token_s[drafted_with.drafter] = stats.draft_s / stats.drafted
-            self.acceptance.observe(route, drafted_with, stats.accepted, stats.drafted)
+            for key in keys:
+                self.acceptance.observe(key, drafted_with, stats.accepted, stats.drafted)
 
 
 def _one_drafting(r: Any) -> Any:

@@ -233,8 +233,7 @@ class DecodeLoop:
 
     def _answer_and_keep(self, r: Running) -> None:
         self.batch.remove(r)
-        for key in live_keys(r.job):  # its acceptance: where similar requests start (``Control.live_start``)
-            self.figures.observe_finished(key, r)
+        self.figures.observe_finished(live_keys(r.job), r)  # its acceptance: where similar requests start
         result = None
         try:
             result = r.member.seq.result()

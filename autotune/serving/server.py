@@ -20,8 +20,9 @@ from typing import Any
 
 from autotune.errors import SettingError
 from autotune.serving.limits import Limits
-from autotune.serving.sizing import MAX_BATCH, available_memory, batch_size, kv_bytes_per_slot, size  # noqa: F401
+from autotune.serving.sizing import MAX_BATCH, kv_bytes_per_slot, size
 from autotune.serving.worker_config import Hooks, WorkerConfig
+from runtime.machine import available_memory
 
 log = logging.getLogger("autotune.serve")
 REFRESH_S = 10.0  # how often the server checks the store for new or changed strategies

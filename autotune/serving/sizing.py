@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import SettingError
-from runtime.machine import available_memory  # noqa: F401  (the server's import)
 
 MAX_BATCH = 16  # the default --max-batch where memory allows it
 KV_SHARE = 0.8  # of the memory free after loading (less the prefix cache), what the requests' KV caches may take

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from autotune.errors import SettingError
-from autotune.serving.server import ServeConfig, batch_size, build_server, kv_bytes_per_slot
+from autotune.serving.server import ServeConfig, build_server
+from autotune.serving.sizing import batch_size, kv_bytes_per_slot
 from autotune.serving.worker_config import Hooks
 from autotune.store.records import ResultMetrics
 from autotune.store.resolve import strategy_key

@@ -126,5 +126,5 @@ def test_a_finished_requests_acceptance_counts_where_one_strategy_did_all_its_dr
              "started plainly": (finished(PLAIN, PLAIN, []), False)}
     for name, (r, counts) in cases.items():
         figures = CostFigures(acceptance=RouteAcceptance(min_drafts=1))
-        figures.observe_finished("unknown#3", r)
+        figures.observe_finished(["unknown", "unknown#3"], r)
         assert (figures.acceptance.get("unknown#3", chain) == 0.25) == counts, name

@@ -81,7 +81,7 @@ from autotune.serving.adaptive.retune import Retune
 from autotune.serving.adaptive.settings import AdaptSettings
 from autotune.serving.adaptive.source import DecoderSource
 from autotune.serving.adaptive.writer import StoreWriter
-from autotune.serving.jobs import EXPLICIT_ROUTES
+from autotune.serving.jobs import EXPLICIT_ROUTES, cluster_key
 from autotune.serving.routing.book import GENERAL_TASK
 from autotune.serving.routing.router import UNKNOWN
 from autotune.serving.routing.terms import as_terms
@@ -160,7 +160,7 @@ class Adapter:
             return None
         health = self._health(choice)
         cluster = self.pending.assign(job.text) if choice.route == UNKNOWN else None
-        retune = (self.retunes.get(f"{UNKNOWN}#{cluster}") if cluster is not None else None) \
+        retune = (self.retunes.get(cluster_key(cluster)) if cluster is not None else None) \
             or self.retunes.get(choice.route)
         if retune is not None:
             job.choice = replace(choice, label="tuning", state="tuning")
@@ -237,7 +237,7 @@ class Adapter:
     def _drop_evicted(self) -> None:
         """Re-tunes of the pending clusters just dropped to make room go with them."""
         for cid in self.pending.take_evicted():
-            retune = self.retunes.get(f"{UNKNOWN}#{cid}")
+            retune = self.retunes.get(cluster_key(cid))
             if retune is not None:
                 self._drop(retune, "evicted")
 

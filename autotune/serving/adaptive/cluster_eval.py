@@ -1,13 +1,15 @@
-"""How well pending clusters group unknown traffic by task: the measurement behind ``clusters.weigh_stacked``.
+"""How well pending clusters group unknown traffic by task: the measurement behind ``form_vectors``.
 
 ``python -m autotune.serving.adaptive.cluster_eval`` sends the ``mixed`` stream's requests of
 categories no study stored (default XSum, NQ-open and ASDiv; then with MT-Bench's questions) through
 ``PendingClusters`` in stream order, and prints the adjusted Rand index of the clusters against the
-true categories, next to what the router's content words alone give.
+true categories, next to what the router's content words alone give, and what one assignment (a
+request's, on the decode thread) took on average.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable, Sequence
 from unittest import mock
 
@@ -19,39 +21,45 @@ from autotune.serving.adaptive.clusters import PendingClusters
 UNKNOWN_TASKS = ("xsum", "nq-open", "asdiv")
 
 
-def cluster_ids(texts: Sequence[str], max_clusters: int = 64) -> list[int]:
-    """The pending cluster each text joins, sent one by one (as the server assigns, then adds)."""
+def cluster_ids(texts: Sequence[str], max_clusters: int = 64) -> tuple[list[int], float]:
+    """The pending cluster each text joins, sent one by one (as the server assigns, then adds) ->
+    (the ids, mean seconds of one ``assign``)."""
     pending = PendingClusters(max_clusters=max_clusters)
-    out = []
+    out, spent = [], 0.0
     for text in texts:
+        started = time.perf_counter()
         cid = pending.assign(text)
+        spent += time.perf_counter() - started
         pending.add(cid, text)
         out.append(cid)
-    return out
+    return out, spent / max(len(texts), 1)
 
 
 def score(tasks: Sequence[str], block: int = 4, blocks_per_task: int = 3, offset: int = 20,
-          vectors: Callable | None = None) -> tuple[float, int]:
-    """-> (adjusted Rand index against the categories, clusters formed) on the mixed stream of ``tasks``."""
+          vectors: Callable | None = None) -> tuple[float, int, float]:
+    """-> (adjusted Rand index against the categories, clusters formed, mean seconds of one
+    assignment) on the mixed stream of ``tasks``."""
     from studies import routing_text
     from studies.stream import mixed_stream
 
     requests = mixed_stream(tuple(tasks), block=block, blocks_per_task=blocks_per_task, offset=offset)
     texts = [routing_text(r.prompt) for r in requests]
     if vectors is None:
-        ids = cluster_ids(texts)
+        ids, seconds = cluster_ids(texts)
     else:
-        with mock.patch.object(clusters, "weigh_stacked", vectors):
-            ids = cluster_ids(texts)
-    return adjusted_rand_score([r.category for r in requests], ids), len(set(ids))
+        with mock.patch.object(clusters, "form_vectors", vectors):
+            ids, seconds = cluster_ids(texts)
+    return adjusted_rand_score([r.category for r in requests], ids), len(set(ids)), seconds
 
 
-def content_only(counts: clusters.Features):
+def content_only(texts: Sequence[str]):
     """The router's word TF-IDF alone (what pending clusters used before task form)."""
-    from sklearn.feature_extraction.text import TfidfTransformer
     from sklearn.preprocessing import normalize
 
-    return normalize(TfidfTransformer(sublinear_tf=True).fit_transform(counts[1]))
+    from autotune.serving.routing.router import make_vectorizer
+    from autotune.store.records import clip_prompt
+
+    return normalize(make_vectorizer().fit_transform([clip_prompt(t) for t in texts]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,12 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--offset", type=int, default=20)
     args = p.parse_args(argv)
     base = [t for t in args.tasks.split(",") if t]
-    print("| categories | form + content: ARI (clusters) | content words only: ARI (clusters) |")
-    print("|---|---|---|")
+    print("| categories | form + content: ARI (clusters) | content words only: ARI (clusters) | one assignment |")
+    print("|---|---|---|---|")
     for tasks in (base, [*base, "mt-bench"]):
         form = score(tasks, args.block, args.blocks_per_task, args.offset)
         words = score(tasks, args.block, args.blocks_per_task, args.offset, vectors=content_only)
-        print(f"| {', '.join(tasks)} | {form[0]:.3f} ({form[1]}) | {words[0]:.3f} ({words[1]}) |")
+        print(f"| {', '.join(tasks)} | {form[0]:.3f} ({form[1]}) | {words[0]:.3f} ({words[1]}) | "
+              f"{form[2] * 1e3:.1f} ms |")
     return 0
 
 

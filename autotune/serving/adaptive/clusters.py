@@ -18,9 +18,8 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix, hstack, vstack
-from sklearn.feature_extraction import FeatureHasher
-from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, TfidfTransformer, TfidfVectorizer
+from scipy.sparse import csr_matrix, hstack
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, TfidfVectorizer
 from sklearn.preprocessing import normalize
 
 from autotune.serving.adaptive.settings import PENDING_CLUSTERS, PENDING_TEXTS
@@ -31,7 +30,6 @@ from autotune.store.records import clip_prompt
 NEW_ROUTE_PREFIX = "auto:"
 FORM_WEIGHT = 0.5  # share of the form block (the instruction's character n-grams) in the distance
 INSTRUCTION_CHARS = 400  # the instruction part is looked for in this many leading characters
-HASHED_FEATURES = 2**20  # columns terms are hashed to (a collision among a few thousand terms: rare and harmless)
 _SENTENCE_END = re.compile(r"[.?!:\n]")
 
 
@@ -46,50 +44,20 @@ def instruction(text: str) -> str:
     return head[: end.end()] if end else head
 
 
-Features = tuple[csr_matrix, csr_matrix]  # one text's hashed term counts: (form, content), one row each
-_HASHER = FeatureHasher(n_features=HASHED_FEATURES, input_type="string", alternate_sign=False)
-_FORM_TERMS = TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4)).build_analyzer()
-_CONTENT_TERMS = make_vectorizer().build_analyzer()
-
-
-def features(text: str) -> Features:
-    """``text``'s term counts, hashed (``HASHED_FEATURES`` columns): the form block's character
-    2-4-grams of its instruction part, the content block's router terms. A stored route's text kept
-    as hashed terms has no instruction to read: its form row is empty."""
+def form_vectors(texts: Sequence[str]) -> csr_matrix:
+    """L2-normalised rows comparing ``texts`` by task form and content (``FORM_WEIGHT``; see the
+    module's docstring), fitted on these texts. A stored route's text kept as hashed terms has no
+    instruction to read: its form block is empty and its content block counts alone."""
     from autotune.serving.routing.terms import TERMS_PREFIX
 
-    text = clip_prompt(text)
-    form = "" if text.startswith(TERMS_PREFIX) else instruction(text).lower()
-    return _HASHER.transform([_FORM_TERMS(form)]), _HASHER.transform([_CONTENT_TERMS(text)])
-
-
-def stack(rows: Sequence[Features]) -> Features:
-    """``rows`` as one (form, content) pair of matrices, a row per text."""
-    return vstack([f for f, _ in rows]).tocsr(), vstack([c for _, c in rows]).tocsr()
-
-
-def weigh(rows: Sequence[Features]) -> csr_matrix:
-    """L2-normalised rows comparing texts by task form and content (``FORM_WEIGHT``; see the
-    module's docstring): each block TF-IDF weighted (sublinear tf) over these texts' counts."""
-    return weigh_stacked(stack(rows))
-
-
-def weigh_stacked(counts: Features) -> csr_matrix:
-    """``weigh`` of texts whose features are ``stack``ed already."""
-    def tfidf(counts: csr_matrix) -> csr_matrix:
-        if counts.nnz == 0:
-            return csr_matrix((counts.shape[0], 1))
-        used, columns = np.unique(counts.indices, return_inverse=True)  # the hashed columns any text has
-        compact = csr_matrix((counts.data, columns.ravel(), counts.indptr), shape=(counts.shape[0], len(used)))
-        return normalize(TfidfTransformer(sublinear_tf=True).fit_transform(compact))
-
-    form, content = tfidf(counts[0]), tfidf(counts[1])
+    forms = ["" if t.startswith(TERMS_PREFIX) else instruction(t).lower() for t in texts]
+    if any(forms):
+        form = normalize(TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 4), sublinear_tf=True)
+                         .fit_transform(forms))
+    else:
+        form = csr_matrix((len(texts), 1))
+    content = normalize(make_vectorizer().fit_transform([clip_prompt(t) for t in texts]))
     return normalize(hstack([np.sqrt(FORM_WEIGHT) * form, np.sqrt(1.0 - FORM_WEIGHT) * content]).tocsr())
-
-
-def form_vectors(texts: Sequence[str]) -> csr_matrix:
-    """``weigh`` over ``texts``' ``features``, fitted on these texts."""
-    return weigh([features(t) for t in texts])
 
 
 def new_route_name(texts: list[str], known: list[str], terms: int = 2, readable: bool = True) -> str:
@@ -131,57 +99,38 @@ class PendingClusters:
         self.clusters: dict[int, list[str]] = {}  # id -> texts, least recently grown first
         self.evicted: list[int] = []  # ids dropped to make room, until ``take_evicted``
         self._next = 0
-        # each pending text's ``features``, computed once (at ``assign``), so a request's assignment
-        # analyses its own text only: the weighing over all of them is a few sparse products
-        self._features: dict[int, list[Features]] = {}
-        self._last: tuple[str, Features] | None = None  # the text ``assign`` saw last (``add`` follows it)
-        self._stacked: tuple[list[int], Features] | None = None  # ``_pending``'s, until the clusters change
 
     def assign(self, text: str) -> int:
         """The id of the cluster ``text`` belongs to (a new id when it is near none); adds nothing."""
-        mine = features(text)
-        self._last = (text, mine)
         if self.clusters:
-            ids, pending = self._pending()
-            n = pending[0].shape[0]
-            vectors = weigh_stacked((vstack([pending[0], mine[0]]).tocsr(), vstack([pending[1], mine[1]]).tocsr()))
-            means = centroids(vectors[:n], [len(self._features[cid]) for cid in ids])
-            distances = 1.0 - np.asarray(vectors[n:] @ means.T).ravel()
+            ids = list(self.clusters)
+            texts = [clip_prompt(t) for cid in ids for t in self.clusters[cid]]
+            vectors = form_vectors([*texts, clip_prompt(text)])
+            means = centroids(vectors[:len(texts)], [len(self.clusters[cid]) for cid in ids])
+            distances = 1.0 - np.asarray(vectors[len(texts):] @ means.T).ravel()
             nearest = int(distances.argmin())
             if distances[nearest] < self.threshold:
                 return ids[nearest]
         self._next += 1
         return self._next - 1
 
-    def _pending(self) -> tuple[list[int], Features]:
-        """The clusters' ids and their texts' features stacked (kept until the clusters change)."""
-        if self._stacked is None:
-            ids = list(self.clusters)
-            self._stacked = ids, stack([f for cid in ids for f in self._features[cid]])
-        return self._stacked
-
     def add(self, cid: int, text: str) -> int:
         """Add ``text`` to cluster ``cid`` (opening it if new); -> the cluster's size."""
-        self._stacked = None
         texts = self.clusters.pop(cid, None)
-        rows = self._features.pop(cid, [])
         if texts is None:
             texts = []
             while len(self.clusters) >= self.max_clusters:
                 stalest = next(iter(self.clusters))
-                self.drop(stalest)
+                del self.clusters[stalest]
                 self.evicted.append(stalest)
-        mine = self._last[1] if self._last is not None and self._last[0] == text else features(text)
-        texts, rows = (texts + [text])[-self.max_texts:], (rows + [mine])[-self.max_texts:]
-        self.clusters[cid], self._features[cid] = texts, rows  # now the most recently grown
+        texts = (texts + [text])[-self.max_texts:]
+        self.clusters[cid] = texts  # now the most recently grown
         return len(texts)
 
     def touch(self, cid: int) -> None:
         """Count ``cid`` as grown now (its re-tune is decoding its requests)."""
         if cid in self.clusters:
-            self._stacked = None
             self.clusters[cid] = self.clusters.pop(cid)
-            self._features[cid] = self._features.pop(cid)
 
     def take_evicted(self) -> list[int]:
         out, self.evicted = self.evicted, []
@@ -191,9 +140,7 @@ class PendingClusters:
         return list(self.clusters.get(cid, ()))
 
     def drop(self, cid: int) -> None:
-        self._stacked = None
         self.clusters.pop(cid, None)
-        self._features.pop(cid, None)
 
     def sizes(self) -> dict[int, int]:
         return {cid: len(texts) for cid, texts in self.clusters.items()}

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.serving.jobs import cluster_key
 from autotune.tuning.tuner import OnlineTuner
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.stats import DecodeStats
@@ -37,8 +38,8 @@ class Retune:
 
     @property
     def key(self) -> str:
-        """Its key among the running re-tunes: the route, or ``unknown#<cluster>``."""
-        return self.route if self.cluster is None else f"{self.route}#{self.cluster}"
+        """Its key among the running re-tunes: the route, or its pending cluster's (``jobs.cluster_key``)."""
+        return self.route if self.cluster is None else cluster_key(self.cluster)
 
     def generate(self, ids: list[int], cfg: Any, stored_text: str, after_round: Callable | None) -> GenerationResult:
         self.tuner.start_prompt(len(ids))
