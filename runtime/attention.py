@@ -320,8 +320,8 @@ BATCHED_BLOCKS = 4
 def _in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``q`` ``[Hk, R, D]`` attended in blocks of exactly ``INVARIANT_ROWS`` rows each: a call per block,
     or, from ``BATCHED_BLOCKS`` blocks on (a prompt's rows), one call with the blocks in its batch
-    dimension, which the CPU kernel runs block by block just as it runs lone calls (bit-identical,
-    and 2-2.6x faster at 6-16 blocks on an AMD EPYC)."""
+    dimension, which the CPU kernel runs block by block just as it runs lone calls (bit-identical;
+    one call instead of one per block)."""
     hk, rows, d = q.shape
     padded = -(-rows // INVARIANT_ROWS) * INVARIANT_ROWS
     if padded != rows:
