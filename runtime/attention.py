@@ -246,6 +246,26 @@ class InvariantRows:
         return InvariantRows((), positions, order, groups)
 
 
+def attend_rows(
+    q: torch.Tensor,  # [H, T, D] float32
+    k: torch.Tensor,  # [Hkv, S, D] float32 (a cache layer's keys)
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [T, M] bool, M <= S: the slots each row attends to (sliding window included)
+    scale: float,
+) -> torch.Tensor:
+    """Attention computed one row at a time by the ggml extension (``runtime.kernels``) -> ``[H, T, D]``.
+
+    Each row visits exactly the slots its mask row shows, in ascending slot order, and sums in an
+    order fixed by them: its result depends on its query and those keys and values alone, never on
+    the call's other rows, the cache's capacity or padding. So it is row-invariant wherever the
+    keys a row sees are laid out in position order, as they are for contiguous rows, a tree's rows
+    (ancestors after the committed prefix) and a batch's parts; no key-count rounding or padded
+    query blocks are needed (:func:`sdpa_invariant`)."""
+    from runtime.kernels import load
+
+    return load().attend(q, k, v, mask, scale)
+
+
 def sdpa_invariant(
     q: torch.Tensor,  # [H, T, D]
     k: torch.Tensor,  # [Hkv, S, D], S >= every group's key count

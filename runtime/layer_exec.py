@@ -83,6 +83,8 @@ class BlockModel(Protocol):
 
     def mlp(self, lin: dict[str, Any], layer: Any, x: torch.Tensor) -> torch.Tensor: ...
 
+    def normed(self, norm: Any, x: torch.Tensor) -> torch.Tensor: ...  # ``x`` through one of its norm modules
+
 
 def check_plan_fits(plan: LayerPlan, n_layers: int, what: str = "model") -> None:
     if plan.n_layers != n_layers:
@@ -287,9 +289,9 @@ def run_blocks(
             if block.group is None and li not in skip_attn:
                 if rec is not None:
                     rec.attn_input(li, h)
-                h = h + lm.attention(lin, layer.input_layernorm(h), li, a)
+                h = h + lm.attention(lin, lm.normed(layer.input_layernorm, h), li, a)
             elif li in attn_out:
                 h = h + attn_out[li]
             if li not in skip_mlp:
-                h = h + lm.mlp(lin, layer, layer.post_attention_layernorm(h))
+                h = h + lm.mlp(lin, layer, lm.normed(layer.post_attention_layernorm, h))
     return h

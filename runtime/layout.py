@@ -69,6 +69,10 @@ CHAIN = Layout()
 PROMPT_CHUNK = Layout(chunk_of_prompt=True)
 
 
+# how rows attend on a backend with row-by-row attention (``CausalLM.row_attention``): each row by its mask
+ROW_KERNEL = InvariantRows(())
+
+
 def invariant_rows(t: int, start: int, positions: torch.Tensor, rel_mask: torch.Tensor | None,
                    full: torch.Tensor | None, mask: torch.Tensor) -> InvariantRows:
     """How a forward's ``t`` rows attend on a quantised backend (``runtime.attention.sdpa_invariant``)."""

