@@ -20,6 +20,7 @@ from runtime.attention import (
 )
 from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
+from runtime.fused import fusable, kernel_norm, silu_mlp
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.layout import CHAIN, ROW_KERNEL, BatchPart, Layout, invariant_rows
@@ -73,9 +74,6 @@ class ModelDims:
     vocab: int
     max_positions: int
 
-
-# RMSNorm modules the extension's kernel computes (w * x / sqrt(mean(x^2) + eps), ``variance_epsilon``)
-KERNEL_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 # compiled layer plans kept per model (each grouped plan holds a stacked copy of its groups' weights)
 MAX_COMPILED_PLANS = 8
@@ -153,7 +151,7 @@ class CausalLM:
         """``x`` ``[T, H]`` through ``norm``, one of this model's RMSNorm modules: by the extension's
         row kernel where rows attend through it (``row_attention``; the same formula, each row's sum of
         squares in a fixed order), else by the module itself."""
-        if self.row_attention and type(norm).__name__ in KERNEL_NORMS:
+        if self.row_attention and kernel_norm(norm):
             return self.kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
         return norm(x)
 
@@ -168,7 +166,7 @@ class CausalLM:
         gate/up projections, a SiLU MLP without biases. That call composes the very functions
         :meth:`step`'s layer loop calls, in the same order: the same bits, one call per layer."""
         if self._fused is None:
-            self._fused = [] if not self.row_attention else [_fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)]
+            self._fused = [] if not self.row_attention else [fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)]
         return self._fused if self._fused and all(f is not None for f in self._fused) else None
 
     @property
@@ -341,7 +339,7 @@ class CausalLM:
         return run(lin["q"], x), run(lin["k"], x), run(lin["v"], x)
 
     def mlp(self, lin: dict[str, Linear], layer: Any, x: torch.Tensor, run: RunLinear = _apply) -> torch.Tensor:
-        if "gate_up" in lin and self.row_attention and _silu(layer):
+        if "gate_up" in lin and self.row_attention and silu_mlp(layer):
             return run(lin["down"], self.kernels.swiglu(run(lin["gate_up"], x)))
         if "gate_up" in lin:
             gate, up = run(lin["gate_up"], x).chunk(2, dim=-1)
@@ -420,29 +418,6 @@ class CausalLM:
 
 # where a linear module keeps the quantised weights a backend reads (``runtime.loading.prepare_backend``)
 SOURCE_ATTRS: dict[str, str] = {"int4": "int4_weights", "gguf": "gguf_weights"}
-
-
-# activation modules that compute SiLU (torch's, and transformers' ACT2FN["silu"])
-SILU_MODULES = ("SiLU", "SiLUActivation")
-
-
-def _silu(layer: Any) -> bool:
-    return type(getattr(layer.mlp, "act_fn", None)).__name__ in SILU_MODULES
-
-
-def _fusable(layer: Any, lin: dict[str, Linear]) -> tuple[Any, ...] | None:
-    """``layer``'s arguments to ``kernels.layer`` before its cache views, or None where it cannot run
-    as one call (``CausalLM.fused_layers``)."""
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    parts = [lin.get(name) for name in ("qkv", "o", "gate_up", "down")]
-    if (not _silu(layer) or any(type(n).__name__ not in KERNEL_NORMS for n in norms)
-            or not all(getattr(p, "kind", None) == "gguf" for p in parts)
-            or parts[2].bias is not None or parts[3].bias is not None):
-        return None
-    qkv, o, gate_up, down = parts
-    return (norms[0].weight, norms[0].variance_epsilon, qkv.segments, qkv.types, qkv.bias, o.segments, o.types,
-            o.bias, norms[1].weight, norms[1].variance_epsilon, gate_up.segments, gate_up.types,
-            down.segments, down.types)
 
 
 def _source(mod: Any, backend: str) -> Any:
