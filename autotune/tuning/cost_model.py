@@ -205,9 +205,15 @@ class MeasuredCostModel:
     @property
     def shape(self) -> str:
         """What kept timings were timed for besides the store key (model with its precision, draft,
-        hardware): the verify width, whether verifies pad, the two models' linear backends."""
-        return (f"width {self.verify_width} {'padded' if self.padded else 'rows'} "
-                f"draft {self.draft.backend} target {self.target.backend}")
+        hardware): the verify width, whether verifies pad, the two models' linear backends, and the
+        build of the ggml extension where either runs gguf (another build, other timings)."""
+        shape = (f"width {self.verify_width} {'padded' if self.padded else 'rows'} "
+                 f"draft {self.draft.backend} target {self.target.backend}")
+        if "gguf" in (self.draft.backend, self.target.backend):
+            from runtime.kernels import extension_key
+
+            shape += f" kernels {extension_key()}"
+        return shape
 
     def timings(self) -> dict[str, Any]:
         """What was timed and learnt, to keep (``autotune.store``: per model, draft, precision and

@@ -184,6 +184,22 @@ def test_prepare_times_every_row_count_up_front(target, draft):
     assert timed == [3]  # power: without prepare a new row count is timed when first priced
 
 
+def test_kept_timings_of_gguf_models_are_keyed_by_the_kernels_build(target, draft, monkeypatch):
+    """Timings kept for a gguf model name the extension's build: another build (new kernels, new
+    flags) times again instead of pricing with the old build's figures; float models do not."""
+    import runtime.kernels
+
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=6, context=32, padded=False)
+    assert "kernels" not in cost.shape
+    quantised = CausalLM(tiny_model("llama", 40, layers=N_LAYERS))
+    quantised.use_linear_backend("gguf")
+    gguf_cost = MeasuredCostModel(draft=draft, target=quantised, verify_width=6, context=32, padded=False)
+    shape = gguf_cost.shape
+    assert f"kernels {runtime.kernels.extension_key()}" in shape
+    monkeypatch.setattr(runtime.kernels, "extension_key", lambda: "another-build")
+    assert gguf_cost.shape != shape
+
+
 def test_kept_timings_restore_a_cost_model_without_timing_a_forward(target, draft):
     """``timings`` -> the store -> ``restore``: a later study prices the same as the model that
     timed them and runs no forward (its one-time cost is paid once per models and machine); kept
