@@ -284,8 +284,8 @@ def sdpa_invariant(
     blocks whose size follows from the row count, and a short block takes another GEMM path.
     Float32 greedy decoding shrugs such last-ulp differences off; quantised weights and activations
     round them into different tokens (a w8a8 verify of 11 rows parted from plain decoding on the
-    1.5B), so the quantised backends attend this way after the prefill (which runs once per prompt,
-    the same way in every decoding mode)."""
+    1.5B), so the quantised backends without the extension's row kernel (:func:`attend_rows`) attend
+    this way after the prefill (which runs once per prompt, the same way in every decoding mode)."""
     h, t, d = q.shape
     hkv = k.shape[0]
     rep = h // hkv

@@ -145,7 +145,7 @@ class AttnInputs:
     windowed: dict[int, torch.Tensor] | None = None  # layer -> its own [T, S] mask (sliding windows)
     slots: torch.Tensor | None = None  # [T] cache slots written (None: after the cache's length)
     key_len: int | None = None  # attend over the first key_len slots (None: the whole capacity)
-    invariant: InvariantRows | None = None  # how rows attend on the quantised backends (sdpa_invariant)
+    invariant: InvariantRows | None = None  # how rows attend on the quantised backends (sdpa_invariant, or ROW_KERNEL)
 
     def mask_for(self, li: int) -> tuple[torch.Tensor | None, bool]:
         """The ``(mask, causal)`` attention sub-layer ``li`` uses."""
