@@ -2,15 +2,13 @@
 
 All are exact relative to themselves (row-invariant kernels: ``runtime.quant``, ``runtime.gguf_blocks``),
 so each one's speculative output equals its own plain output. gguf is a candidate only where ggml's
-kernels are built for this CPU (``make kernels``); elsewhere it is timed as unavailable and never chosen. Which is faster depends on the processor: on an
-Intel Xeon with AMX, torch's int4 kernel ran a plain step of the 1.5B 1.75x faster than w8a8; on
-an AMD EPYC with AVX-512 VNNI, w8a8 (oneDNN's packed int8 linear) verified 8 rows 1.7x faster than
-int4 and decoded plain as fast (docs/benchmarks.md, issue 26). So the choice is measured, once
-per machine: both backends run the same synthetic projections (the 1.5B's MLP shape, enough of
-them to stream from memory, not from cache) at one row (a plain step) and at ``VERIFY_ROWS`` rows
-(a speculative round's verify), and the precision with the smaller sum wins. The result is kept
-in ``~/.cache/autotune/auto-precision.json`` (``$AUTOTUNE_CACHE_DIR``) per processor, core and
-thread count and torch version, so only the first command on a machine pays the probe (a few
+kernels are built for this CPU (``make kernels``); elsewhere it is timed as unavailable and never
+chosen. Which is faster depends on the processor (docs/precision.md has the measurements), so the
+choice is measured, once per machine: every candidate runs the same synthetic projections (the
+1.5B's MLP shape, enough of them to stream from memory, not from cache) at one row (a plain step)
+and at ``VERIFY_ROWS`` rows (a speculative round's verify), and the smallest sum wins. The result
+is kept in ``~/.cache/autotune/auto-precision.json`` (``$AUTOTUNE_CACHE_DIR``) per processor, core
+and thread count and torch version, so only the first command on a machine pays the probe (a few
 seconds). ``$AUTOTUNE_AUTO_PRECISION`` pins the choice (reproducible runs, tests).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adaptation inside one request: the per-request controller (issue 30).
+"""Adaptation inside one request: the per-request controller.
 
 A request starts with its route's strategy, the prior. Its own first tokens show whether
 drafting pays there: the target has just produced them, so scoring them costs at most one draft
