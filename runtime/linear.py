@@ -77,8 +77,8 @@ class OneDnnLinear:
 
     oneDNN computes a row bit-identically whatever the call's row count and the row's batch-mates
     from two rows on; one row alone takes another path (a different last ulp), so it runs as two
-    (one 8960x1536 GEMM: 0.86 -> 1.02 ms; ``python tools/batch_steps.py --kernels``). Every width therefore computes a row as any other does, like the
-    quantised kernels (``ROW_INVARIANT_BACKENDS``)."""
+    (``python tools/batch_steps.py --kernels`` times the cost). Every width therefore computes a row
+    as any other does, like the quantised kernels (``ROW_INVARIANT_BACKENDS``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -100,11 +100,9 @@ def onednn_available() -> bool:
 
 
 # which backend a float32 model runs on the CPU (``runtime.precision.Precision.backend_on``): ``onednn``
-# where available (row-invariant, and on an AMD EPYC a 8960x1536 GEMM at 1 / 16 / 512 rows took 1.02 /
-# 1.51 / 28.8 ms against ``dense``'s 2.49 / 6.05 / 70.6, ``tools/batch_steps.py --kernels``; the 1.5B's
-# step 155 vs 283 ms at 1 row, 271 vs 673 at 16, ``tools/batch_steps.py``); ``dense``
-# is Hugging Face's own arithmetic (MKL), bit-identical to its float32 forward. The environment
-# variable pins either.
+# where available (row-invariant, and faster than ``dense`` at every width: ``tools/batch_steps.py``);
+# ``dense`` is Hugging Face's own arithmetic (MKL), bit-identical to its float32 forward. The
+# environment variable pins either.
 FLOAT32_CPU_BACKEND = "onednn"
 FLOAT32_KERNEL_ENV = "AUTOTUNE_FLOAT32_KERNEL"
 FLOAT32_KERNELS = ("onednn", "dense")
@@ -213,9 +211,8 @@ HEAD_BACKENDS: dict[str, str] = {"int4": "int8"}
 
 
 # a draft model's head where it differs from its target-style one: drafts never have to be exact (the
-# target verifies every token), and an int4 head runs in half the int8 one's time (the 1.5B's head:
-# 7.5 vs 16.1 ms; GSM8K sd 9.60 -> 9.97 tok/s at unchanged acceptance) for ~1.6% of argmax flips
-# against the float head (docs/benchmarks.md; tools/quantised_checks.py kernels, heads)
+# target verifies every token), and an int4 head runs in about half the int8 one's time for a few
+# argmax flips against the float head (tools/quantised_checks.py kernels, heads)
 DRAFT_HEAD_BACKENDS: dict[str, str] = {"int4": "int4"}
 
 

@@ -14,12 +14,9 @@ from runtime.draft import Draft
 from runtime.sampling import SamplingParams
 
 
-# the n-gram sizes a lookup matches, longest first (vLLM's prompt_lookup_max / prompt_lookup_min).
-# Replayed on the int4 Qwen 1.5B's greedy outputs (5 prompts each) at this CPU's measured verify
-# costs, (8, 2) beat the earlier (3, 1) at its best length on HumanEval (2.72x plain vs 2.38x),
-# MT-Bench (1.04x vs 1.02x) and nearly tied it on GSM8K (1.24x vs 1.25x): a lone recurring token
-# proposes noise that a verify pays for, and the longest match picks the right occurrence
-# (docs/benchmarks.md, "Prompt lookup's n-grams")
+# the n-gram sizes a lookup matches, longest first (vLLM's prompt_lookup_max / prompt_lookup_min): a
+# lone recurring token proposes noise that a verify pays for, and the longest match picks the right
+# occurrence (measured against (3, 1): docs/benchmarks.md, "Prompt lookup's n-grams")
 DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM = 8, 2
 
 

@@ -163,8 +163,7 @@ class W8A8Linear(_Affine):
 
 class Bf16Linear(_Affine):
     """bfloat16 weights and activations, float in and out: a weight-only model's prefill, whose many
-    rows the int4 and int8 kernels run compute-bound (157 rows of the 1.5B's 8960x1536 MLP matrix:
-    int4 24.3 ms, bf16 2.4 ms on an AMX Xeon; ``tools/quantised_checks.py timings``)."""
+    rows the int4 and int8 kernels run compute-bound (``tools/quantised_checks.py timings``)."""
 
     kind = "bf16"
 

@@ -8,13 +8,13 @@ from the timings the decoder records while it decodes with the incumbent strateg
 - Plans with layer-parallel groups: timed directly, once per plan (their cost is not additive).
 - Bonus calibration's exact catch-up over several rows: linear in rows, from 1 and verify-width rows.
 - Verify: the verify rounds seen while decoding; before any, the faster of two timed forwards at
-  the fixed width (a first wide forward can take 1.5x a later one, and a single noisy timing
+  the fixed width (a first wide forward is often slower than later ones, and a single noisy timing
   would price every draft out of the race: no drafted round would ever correct it). A decoder
   that does not pad (``padded=False``: a quantised target, whose verify cost grows with every
   row) verifies its drafted rows only: a round of ``r`` rows costs a forward of ``r`` rows, timed
   once per row count when first priced (the plain step at 1 row; measured rounds of any width
   rescale them all). Not a line through two widths: the int4 kernel runs rows in blocks of 4, so
-  on an AMX Xeon the 1.5B's verify costs 87, 98, 104, 111 ms at 1-4 rows and ~185 ms at 5-8.
+  its verify cost steps at every fifth row.
 - Plain decoding: one timed single-token target forward, refreshed from plain rounds while decoding.
 """
 from __future__ import annotations

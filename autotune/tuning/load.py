@@ -183,11 +183,9 @@ class RouteAcceptance:
 class StepCost:
     """Seconds of a batched target forward: a rising piecewise-linear function of its rows, with
     knots at the profiled row counts (one sequence of that many rows), plus a price per further
-    sequence (each attends apart). A CPU's step is flat for its first rows and linear after
-    (oneDNN float32, Qwen2.5-Coder 1.5B on a 2-core EPYC: 162 ms at 1 row, 159 at 4, 217 at 16, 537
-    at 64), which one line through every shape cannot follow: a server's line (91 ms + 6.7 ms a row
-    + 4.6 ms a sequence) priced a lone step at 102 ms and three more rows at 20 ms where they cost
-    nothing. Fitted by non-negative least squares (knot values that never fall, a sequence's price
+    sequence (each attends apart). A CPU's float32 step is flat for its first rows and linear
+    after, which one line through every shape cannot follow (it prices the first rows' flat part as
+    paid). Fitted by non-negative least squares (knot values that never fall, a sequence's price
     >= 0) over the start-up profile and the last real steps."""
 
     def __init__(self, profile: Sequence[tuple[int, int, float]] = ()) -> None:
@@ -258,8 +256,7 @@ class DraftCost:
     sequences still drafting there (``runtime.batching.draft_together``), so a phase of ``depths``
     forwards that drafted ``drafts`` tokens in all costs ``fixed * depths + per_seq * drafts``.
     Priced per sequence alone (a lone request's seconds per drafted token), a depth for 4 sequences
-    cost 4 forwards where it runs one: measured on the Qwen2.5-Coder 0.5B draft (int4) on a 2-core
-    EPYC, 15 ms a forward for 1 sequence and 99 ms for 16. Fitted by non-negative least squares over
+    would cost 4 forwards where it runs one. Fitted by non-negative least squares over
     the start-up profile (one depth forward per batch size) and the latest real drafting phases;
     ``known`` once they tell the two prices apart (two batch sizes seen)."""
 

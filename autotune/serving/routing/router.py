@@ -17,9 +17,8 @@ every pair; 0.65 routed 0.811 of the 540 decisions as expected, the only maximum
 route reliably; most MT-Bench questions go to "unknown" (the safe side).
 
 Entries without prompts (results recorded before prompts were stored, or by code that stored none)
-cannot be routed to; they stay reachable by explicit strategy id. ``fit`` took ~50 ms for 300
-prompts (300k characters) here and ``route`` ~1.5 ms; ``fit`` replaces the fitted state whole, so a
-``route`` running beside it reads either the old or the new one.
+cannot be routed to; they stay reachable by explicit strategy id. ``fit`` replaces the fitted state
+whole, so a ``route`` running beside it reads either the old or the new one.
 """
 from __future__ import annotations
 
