@@ -15,17 +15,17 @@ from typing import Any
 import torch
 
 from runtime.attention import (
-    RotaryTable, Windows, apply_rope, attend_mask, attend_rows, check_rope, layer_type_windows, mistral_windows,
+    RotaryTable, Windows, attend_mask, attend_rows, check_rope, layer_type_windows, mistral_windows,
     no_windows, round_keys, sdpa, sdpa_invariant, window_masks,
 )
 from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
-from runtime.fused import fusable, kernel_norm, silu_mlp
+from runtime.fused import RowKernels, silu_mlp
 from runtime.kv_cache import KVCache
 from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.layout import CHAIN, ROW_KERNEL, BatchPart, Layout, invariant_rows
 from runtime.linear import (
-    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_ATTENTION_BACKENDS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill,
+    FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill,
     head_backend, make_linear, prefill_linear,
 )
 from runtime.slots import SlotCache
@@ -79,7 +79,7 @@ class ModelDims:
 MAX_COMPILED_PLANS = 8
 
 
-class CausalLM:
+class CausalLM(RowKernels):
     """A decoder-only LM executed by our own layer loop over the HF module tree."""
 
     def __init__(self, hf_model: Any) -> None:
@@ -123,7 +123,7 @@ class CausalLM:
         # {"linears": ...}: the prefill's projections, built on the first prefill that uses them and
         # shared (the dict itself) by every wrapper sharing this one's linears
         self._prefill: dict[str, list[dict[str, Linear]]] = {}
-        self._fused: list[tuple[Any, ...]] | None = None  # per layer, what ``kernels.layer`` runs (fused_layers)
+        self._fused: list[tuple[Any, ...]] | None = None  # per layer, what ``kernels.layer`` runs (RowKernels)
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
         self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
@@ -140,40 +140,6 @@ class CausalLM:
         and the cache's capacity: the quantised backends (row-invariant kernels and attention), which
         round last-ulp differences into different tokens."""
         return self.backend in ROW_INVARIANT_BACKENDS
-
-    @property
-    def row_attention(self) -> bool:
-        """Whether rows attend through the extension's row-by-row kernel (``attention.attend_rows``)
-        rather than padded SDPA calls (``attention.sdpa_invariant``)."""
-        return self.backend in ROW_ATTENTION_BACKENDS and self.dtype == torch.float32
-
-    def normed(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]`` through ``norm``, one of this model's RMSNorm modules: by the extension's
-        row kernel where rows attend through it (``row_attention``; the same formula, each row's sum of
-        squares in a fixed order), else by the module itself."""
-        if self.row_attention and kernel_norm(norm):
-            return self.kernels.rms_norm(x, norm.weight, norm.variance_epsilon)
-        return norm(x)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``attention.apply_rope``, by the extension where rows attend through it (the same products
-        and sums, one call)."""
-        return self.kernels.rope(x, cos, sin) if self.row_attention else apply_rope(x, cos, sin)
-
-    def fused_layers(self) -> list[tuple[Any, ...]] | None:
-        """Per layer, the weights the extension's whole-layer call (``kernels.layer``) runs, where every
-        layer can run as one: rows attending by the row kernel, kernel norms, fused GGUF q/k/v and
-        gate/up projections, a SiLU MLP without biases. That call composes the very functions
-        :meth:`step`'s layer loop calls, in the same order: the same bits, one call per layer."""
-        if self._fused is None:
-            self._fused = [] if not self.row_attention else [fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)]
-        return self._fused if self._fused and all(f is not None for f in self._fused) else None
-
-    @property
-    def kernels(self) -> Any:
-        from runtime.kernels import load
-
-        return load()
 
     @property
     def rows_reusable(self) -> bool:
@@ -385,10 +351,7 @@ class CausalLM:
         h = self.embed(tokens)  # [T, H]
         fused = self.fused_layers() if cp is None and inv is not None else None
         if fused is not None:  # each layer in one call of the extension (the loop below, bit for bit)
-            for li, weights in enumerate(fused):
-                layer_mask, _ = a.mask_for(li)
-                h = self.kernels.layer(h, *weights, cache.all_keys[li], cache.all_values[li], slots, layer_mask,
-                                       cos, sin, self.dims.n_heads, self.scale)
+            h = self.run_fused(fused, h, a)
         elif cp is None:
             linears = self.prefill_linears() if key_len is not None else self.linears
             for li, layer in enumerate(self.layers):
