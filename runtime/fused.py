@@ -83,10 +83,10 @@ class RowKernels:
         """Per layer, the weights the extension's whole-layer call (``kernels.layer``) runs, where every
         layer can run as one (``fusable``). That call composes the very functions the per-op layer
         loop calls, in the same order: the same bits, one call per layer."""
-        if self._fused is None:
-            self._fused = [fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)] \
-                if self.row_attention else []
-        return self._fused if self._fused and all(f is not None for f in self._fused) else None
+        if self._fused is None:  # decided once per set of linears: [] where some layer cannot run as one call
+            layers = [fusable(layer, lin) for layer, lin in zip(self.layers, self.linears)] if self.row_attention else []
+            self._fused = layers if layers and all(f is not None for f in layers) else []
+        return self._fused or None
 
     def run_fused(self, fused: list[tuple[Any, ...]], h: torch.Tensor, a: Any) -> torch.Tensor:
         """Every layer over rows ``h`` ``[T, E]``, one extension call each, under ``a``
