@@ -2,7 +2,10 @@
 // row-by-row attention the GGUF backend runs beside them.
 //
 // matmul: y[m, n] = dot(W[n], x[m]) with each activation row quantised on its own into the weight
-// type's vec_dot_type (from_float), then one vec_dot per (weight row, activation row). A row's
+// type's vec_dot_type (from_float), then one dot product per (weight row, activation row): ggml's
+// vec_dot, or for Q4_K and Q6_K on AVX2 a kernel that decodes each weight block once for up to
+// kRows activation rows and gives each row the very arithmetic of ggml's AVX2 vec_dot (the same
+// integer lanes, the same float operations in the same order), so bit-identical to it. A row's
 // result therefore depends on that row alone, whatever the call's row count: row-invariant by
 // construction. Output rows are split over torch's own thread pool (at::parallel_for), so the
 // configured thread count holds and nothing oversubscribes it.
@@ -27,6 +30,7 @@
 namespace {
 
 constexpr int64_t kRowBlock = 16;  // weight rows a task takes (held in L1/L2 across the activations)
+constexpr size_t kActTileBytes = 64 * 1024;  // quantised activation rows a rows-kernel pass takes (in L2)
 
 struct Init {
     Init() { ggml_cpu_init(); }
@@ -41,20 +45,205 @@ const ggml_type_traits_cpu* cpu_traits(int64_t type) {
     return t;
 }
 
+// Several activation rows against one weight row: out[r * out_stride] = dot(w, x + r * x_stride) for r < rows.
+using RowsDot = void (*)(int64_t k, const uint8_t* w, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
+                         int64_t out_stride);
+
 struct Block {
     const uint8_t* rows;  // first weight row of the block
     size_t row_bytes;
     int64_t n0, count;  // output column of its first row, rows in it
     ggml_vec_dot_t dot;
+    RowsDot rows_dot;  // null: one vec_dot per pair
     const uint8_t* xq;  // the activations quantised into this segment's vec_dot_type
     size_t xq_stride;
 };
 
+#ifdef AUTOTUNE_AVX2
+// ---------------------------------------------------------------- Q4_K / Q6_K against Q8_K, rows at once
+//
+// The blocks as ggml lays them out (ggml-common.h), checked against ggml_row_size at run time.
+struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+struct BlockQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
+static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8K) == 292, "ggml block sizes");
+
+constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 spills registers)
+using RowsFn = void (*)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t);
+
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    return ggml_fp16_to_fp32(h);
+#endif
+}
+
+inline float hsum8_ps(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// int16 lane pattern that broadcasts 16-bit element s of a register (pshufb indices 2s, 2s + 1)
+inline __m256i broadcast16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * s + 1) << 8) | (2 * s))); }
+
+// Q4_K: per super-block, sum_j scale_j * dot(q4_j, q8_j) in eight int32 lanes (maddubs, then madd
+// with the sub-block's scale), scaled by d into a float accumulator; the mins against the Q8_K
+// block sums into a second one; both summed at the end.
+template <int R>
+void q4k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_stride, float* out, int64_t out_stride) {
+    const auto* w = reinterpret_cast<const BlockQ4K*>(wrow);
+    const BlockQ8K* x[R];
+    for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const BlockQ8K*>(xrows + r * x_stride);
+    const int64_t nb = k / 256;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    __m256 acc[R];
+    __m128 acc_m[R];
+    for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_m[r] = _mm_setzero_ps(); }
+    for (int64_t i = 0; i < nb; ++i) {
+        const float wd = half_to_float(w[i].d), wmin = half_to_float(w[i].dmin);
+        uint32_t u[4];
+        std::memcpy(u, w[i].scales, 12);
+        u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+        const uint32_t aux = u[1] & kmask1;
+        u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+        u[2] = aux;
+        u[0] &= kmask1;
+        const __m256i mins_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+        const __m128i mins = _mm256_extracti128_si256(mins_scales, 1);
+        const __m128i sc = _mm256_extracti128_si256(mins_scales, 0);
+        const __m256i scales = _mm256_set_m128i(sc, sc);
+        for (int r = 0; r < R; ++r) {
+            const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].bsums));
+            const __m128i pairs = _mm_hadd_epi16(_mm256_extracti128_si256(sums, 0), _mm256_extracti128_si256(sums, 1));
+            const __m128i prod = _mm_madd_epi16(mins, pairs);
+            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-x[r][i].d * wmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+        }
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+            const __m256i scale_l = _mm256_shuffle_epi8(scales, broadcast16(2 * j));
+            const __m256i scale_h = _mm256_shuffle_epi8(scales, broadcast16(2 * j + 1));
+            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qs + 32 * j));
+            const __m256i lo = _mm256_and_si256(bits, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* q8 = x[r][i].qs + 64 * j;
+                const __m256i pl = _mm256_madd_epi16(
+                    scale_l, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8))));
+                const __m256i ph = _mm256_madd_epi16(
+                    scale_h, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32))));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+        __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        out[r * out_stride] = hsum8_ps(acc[r]) + _mm_cvtss_f32(m);
+    }
+}
+
+// Q6_K: 6-bit values (low nibbles | two high bits << 4, offset 32) against Q8_K, sixteen int8
+// sub-block scales; the offset comes off as 32 * scale * (block sums) in the same int32 lanes.
+template <int R>
+void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_stride, float* out, int64_t out_stride) {
+    const auto* w = reinterpret_cast<const BlockQ6K*>(wrow);
+    const BlockQ8K* x[R];
+    for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const BlockQ8K*>(xrows + r * x_stride);
+    const int64_t nb = k / 256;
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+        const float wd = half_to_float(w[i].d);
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[i].scales));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 2; ++j) {
+            const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * j));
+            const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * j + 32));
+            const __m256i bh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qh + 32 * j));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(b2, m15),
+                                   _mm256_slli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(12)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15),
+                                   _mm256_and_si256(bh, _mm256_set1_epi8(48)));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
+                                   _mm256_srli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(-64)), 2));
+            __m256i s[4];
+            for (int c = 0; c < 4; ++c) {
+                // scales 2(4j + c) and 2(4j + c) + 1, each over 16 values: eight int16 lanes apiece
+                const int a = 2 * (4 * j + c);
+                const __m128i pick = _mm_set_epi8(a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1,
+                                                  a, a, a, a, a, a, a, a);
+                s[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t* q8 = x[r][i].qs + 128 * j;
+                __m256i p[4];
+                for (int c = 0; c < 4; ++c)
+                    p[c] = _mm256_madd_epi16(
+                        s[c], _mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * c))));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p[0], p[1]));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p[2], p[3]));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].bsums));
+            const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd),
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset)), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8_ps(acc[r]);
+}
+
+// kRows rows at a time, then the rest in one pass of their own count
+template <template <int> class Kernel, int R = kRows>
+void rest(int64_t k, const uint8_t* w, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
+          int64_t out_stride) {
+    if constexpr (R > 0) {
+        if (rows == R) Kernel<R>::run(k, w, x, x_stride, out, out_stride);
+        else rest<Kernel, R - 1>(k, w, x, x_stride, rows, out, out_stride);
+    }
+}
+
+template <template <int> class Kernel>
+void by_rows(int64_t k, const uint8_t* w, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
+             int64_t out_stride) {
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) Kernel<kRows>::run(k, w, x + r * x_stride, x_stride, out + r * out_stride, out_stride);
+    if (r < rows) rest<Kernel>(k, w, x + r * x_stride, x_stride, rows - r, out + r * out_stride, out_stride);
+}
+
+template <int R> struct Q4K { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q4k_rows<R>(k, w, x, xs, o, os); } };
+template <int R> struct Q6K { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q6k_rows<R>(k, w, x, xs, o, os); } };
+
+RowsDot rows_kernel(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_Q4_K: return by_rows<Q4K>;
+        case GGML_TYPE_Q6_K: return by_rows<Q6K>;
+        default: return nullptr;
+    }
+}
+#else
+RowsDot rows_kernel(ggml_type) { return nullptr; }
+#endif
+
 }  // namespace
 
 // x [M, K] float32; weights: uint8 [N_i, row_bytes_i], each of ggml type types[i] -> y [M, sum N_i]
+// by_vec_dot: every pair through ggml's vec_dot (the reference the rows kernels are tested against)
 torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                     const std::vector<int64_t>& types) {
+                     const std::vector<int64_t>& types, bool by_vec_dot = false) {
     TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be [M, K] float32");
     TORCH_CHECK(weights.size() == types.size() && !weights.empty(), "one ggml type per weight segment");
     const torch::Tensor x = x_in.contiguous();
@@ -100,7 +289,9 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         const uint8_t* base = weights[i].data_ptr<uint8_t>();
         for (int64_t r = 0; r < weights[i].size(0); r += kRowBlock) {
             const int64_t count = std::min(kRowBlock, weights[i].size(0) - r);
-            blocks.push_back({base + r * rb, rb, n0 + r, count, t->vec_dot, xq.data_ptr<uint8_t>(),
+            const RowsDot rows_dot = by_vec_dot || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
+                                         ? nullptr : rows_kernel(static_cast<ggml_type>(types[i]));
+            blocks.push_back({base + r * rb, rb, n0 + r, count, t->vec_dot, rows_dot, xq.data_ptr<uint8_t>(),
                               static_cast<size_t>(xq.size(1))});
         }
         n0 += weights[i].size(0);
@@ -111,6 +302,17 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
         for (int64_t bi = b; bi < e; ++bi) {
             const Block& blk = blocks[bi];
+            if (blk.rows_dot != nullptr) {
+                // a tile of activation rows (held in L2) against the block's weight rows (held in L1)
+                const int64_t tile = std::max<int64_t>(kRows, static_cast<int64_t>(kActTileBytes / blk.xq_stride) / kRows * kRows);
+                for (int64_t m0 = 0; m0 < M; m0 += tile) {
+                    const int64_t rows = std::min(tile, M - m0);
+                    for (int64_t r = 0; r < blk.count; ++r)
+                        blk.rows_dot(K, blk.rows + r * blk.row_bytes, blk.xq + m0 * blk.xq_stride, blk.xq_stride,
+                                     rows, yp + m0 * N + blk.n0 + r, N);
+                }
+                continue;
+            }
             for (int64_t m = 0; m < M; ++m) {
                 const uint8_t* xr = blk.xq + m * blk.xq_stride;
                 float* out = yp + m * N + blk.n0;
@@ -477,7 +679,8 @@ std::string cpu_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("matmul", &matmul, "x [M,K] f32 @ ggml weight segments^T -> [M, sum N]",
-          py::arg("x"), py::arg("weights"), py::arg("types"), py::call_guard<py::gil_scoped_release>());
+          py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("by_vec_dot") = false,
+          py::call_guard<py::gil_scoped_release>());
     m.def("quantize", &quantize, py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
     m.def("dequantize", &dequantize, py::arg("w"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
     m.def("attend", &attend, "row-invariant attention: q [H,T,D], k/v [Hkv,S,D], mask [T,M] -> [H,T,D]",

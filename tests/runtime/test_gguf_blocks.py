@@ -60,6 +60,20 @@ def test_the_invariance_check_has_power():
     assert not rows_invariant(ReorderedRows(w, None, blocks), x)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_the_multi_row_kernels_are_ggmls_vec_dot_bit_for_bit(kind):
+    """Q4_K and Q6_K decode each weight block once for several activation rows; every row still gets
+    ggml's own vec_dot result, at every row count (remainders of the 4-row pass, a tile boundary)."""
+    ops, t = kernels.load(), PACKAGED_TYPES[kind]
+    w = ops.quantize(torch.randn(24, 2560, generator=torch.Generator().manual_seed(3)), t)
+    x = torch.randn(160, 2560, generator=torch.Generator().manual_seed(4)) * 3
+    for m in (*range(1, 10), 31, 160):
+        got, want = ops.matmul(x[:m], [w], [t]), ops.matmul(x[:m], [w], [t], by_vec_dot=True)
+        assert torch.equal(got, want), m
+    # the equality has power: the same products summed in float32 (dequantised weights) differ
+    assert not torch.equal(x @ ops.dequantize(w, t, 2560).t(), ops.matmul(x, [w], [t]))
+
+
 def test_a_fused_projection_computes_each_part_as_its_own_call_does():
     """Segments of different block types (Q4_K_M files mix Q4_K and Q6_K inside q/k/v) in one call."""
     parts = [_weights(kind, n=16 * (i + 1), seed=i)[1] for i, kind in enumerate(("Q4_K", "Q6_K", "Q5_0"))]
