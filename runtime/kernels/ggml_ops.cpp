@@ -68,7 +68,7 @@ struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d
 struct BlockQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8K) == 292, "ggml block sizes");
 
-constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 spills registers)
+constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 measured slower)
 using RowsFn = void (*)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t);
 
 inline float half_to_float(uint16_t h) {
@@ -122,25 +122,30 @@ void q4k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
             const __m128i prod = _mm_madd_epi16(mins, pairs);
             acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-x[r][i].d * wmin), _mm_cvtepi32_ps(prod), acc_m[r]);
         }
-        __m256i sumi[R];
-        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+        // the block's 256 values in eight registers and its sub-block scales broadcast beside them, then
+        // each row in turn against them (row by row keeps the register file free of spills)
+        __m256i q[8];
+        alignas(32) __m256i scale[8];
         for (int j = 0; j < 4; ++j) {
-            const __m256i scale_l = _mm256_shuffle_epi8(scales, broadcast16(2 * j));
-            const __m256i scale_h = _mm256_shuffle_epi8(scales, broadcast16(2 * j + 1));
             const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qs + 32 * j));
-            const __m256i lo = _mm256_and_si256(bits, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            for (int r = 0; r < R; ++r) {
-                const int8_t* q8 = x[r][i].qs + 64 * j;
-                const __m256i pl = _mm256_madd_epi16(
-                    scale_l, _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8))));
-                const __m256i ph = _mm256_madd_epi16(
-                    scale_h, _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32))));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
+            q[2 * j] = _mm256_and_si256(bits, m4);
+            q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            scale[2 * j] = _mm256_shuffle_epi8(scales, broadcast16(2 * j));
+            scale[2 * j + 1] = _mm256_shuffle_epi8(scales, broadcast16(2 * j + 1));
         }
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+        for (int r = 0; r < R; ++r) {
+            const int8_t* q8 = x[r][i].qs;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i pl = _mm256_madd_epi16(
+                    scale[2 * j], _mm256_maddubs_epi16(q[2 * j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j))));
+                const __m256i ph = _mm256_madd_epi16(
+                    scale[2 * j + 1],
+                    _mm256_maddubs_epi16(q[2 * j + 1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 64 * j + 32))));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd), _mm256_cvtepi32_ps(sumi), acc[r]);
+        }
     }
     for (int r = 0; r < R; ++r) {
         __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
@@ -164,43 +169,44 @@ void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
         const float wd = half_to_float(w[i].d);
         const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[i].scales));
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-        __m256i sumi[R];
-        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+        // the block's values in eight registers, their scales beside them, then each row in turn
+        __m256i q[8];
+        alignas(32) __m256i scale[8];
         for (int j = 0; j < 2; ++j) {
             const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * j));
             const __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].ql + 64 * j + 32));
             const __m256i bh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i].qh + 32 * j));
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(b2, m15),
-                                   _mm256_slli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(12)), 2));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15),
-                                   _mm256_and_si256(bh, _mm256_set1_epi8(48)));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
-                                   _mm256_srli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(-64)), 2));
-            __m256i s[4];
+            q[4 * j] = _mm256_or_si256(_mm256_and_si256(b1, m15), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            q[4 * j + 1] = _mm256_or_si256(_mm256_and_si256(b2, m15),
+                                           _mm256_slli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(12)), 2));
+            q[4 * j + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m15),
+                                           _mm256_and_si256(bh, _mm256_set1_epi8(48)));
+            q[4 * j + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m15),
+                                           _mm256_srli_epi16(_mm256_and_si256(bh, _mm256_set1_epi8(-64)), 2));
             for (int c = 0; c < 4; ++c) {
                 // scales 2(4j + c) and 2(4j + c) + 1, each over 16 values: eight int16 lanes apiece
                 const int a = 2 * (4 * j + c);
                 const __m128i pick = _mm_set_epi8(a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1, a + 1,
                                                   a, a, a, a, a, a, a, a);
-                s[c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
-            }
-            for (int r = 0; r < R; ++r) {
-                const int8_t* q8 = x[r][i].qs + 128 * j;
-                __m256i p[4];
-                for (int c = 0; c < 4; ++c)
-                    p[c] = _mm256_madd_epi16(
-                        s[c], _mm256_maddubs_epi16(q[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q8 + 32 * c))));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p[0], p[1]));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p[2], p[3]));
+                scale[4 * j + c] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
             }
         }
         for (int r = 0; r < R; ++r) {
+            const int8_t* q8 = x[r][i].qs;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 2; ++j) {
+                __m256i p[4];
+                for (int c = 0; c < 4; ++c)
+                    p[c] = _mm256_madd_epi16(scale[4 * j + c],
+                                             _mm256_maddubs_epi16(q[4 * j + c], _mm256_loadu_si256(
+                                                 reinterpret_cast<const __m256i*>(q8 + 128 * j + 32 * c))));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
+            }
             const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].bsums));
             const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][i].d * wd),
-                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], offset)), acc[r]);
+                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, offset)), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8_ps(acc[r]);
