@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -29,6 +30,7 @@
 
 namespace {
 
+std::atomic<bool> rows_kernels_on{true};  // off: every matmul by vec_dot (a side-by-side measurement's baseline)
 constexpr int64_t kRowBlock = 16;  // weight rows a task takes (held in L1/L2 across the activations)
 constexpr size_t kActTileBytes = 64 * 1024;  // quantised activation rows a rows-kernel pass takes (in L2)
 
@@ -295,7 +297,7 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         const uint8_t* base = weights[i].data_ptr<uint8_t>();
         for (int64_t r = 0; r < weights[i].size(0); r += kRowBlock) {
             const int64_t count = std::min(kRowBlock, weights[i].size(0) - r);
-            const RowsDot rows_dot = by_vec_dot || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
+            const RowsDot rows_dot = by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
                                          ? nullptr : rows_kernel(static_cast<ggml_type>(types[i]));
             blocks.push_back({base + r * rb, rb, n0 + r, count, t->vec_dot, rows_dot, xq.data_ptr<uint8_t>(),
                               static_cast<size_t>(xq.size(1))});
@@ -701,6 +703,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"),
           py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("mask"), py::arg("cos"), py::arg("sin"),
           py::arg("n_heads"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+    m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
+          "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }

@@ -1,0 +1,67 @@
+"""The gguf projections of the 1.5B's shapes (Q4_K gate/up, Q6_K down, Q6_K head rows) at 1-64
+activation rows: ggml's vec_dot per (weight row, activation row) against the extension's rows
+kernels (each weight block decoded once for four activation rows), side by side in one run, with
+the two checked bit-identical at every width. Weights are random, quantised by ggml. With
+``--prefill N``, also the packaged 1.5B's prefill of an N-token prompt at gguf, the rows kernels
+switched off and on in turn (three rounds each, the fastest kept).
+
+    python tools/rows_kernels.py [--prefill 512]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.utils import benchmark
+
+from runtime.kernels import load
+
+Q4_K, Q6_K = 12, 14
+SHAPES = (("gate_up Q4_K", Q4_K, 17920, 1536), ("down Q6_K", Q6_K, 1536, 8960), ("head rows Q6_K", Q6_K, 16384, 1536))
+
+
+def _time(fn) -> float:
+    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.5).median * 1e3
+
+
+def prefill(tokens: int) -> None:
+    from autotune.measure.profile import forward_step, served_lm
+    from runtime.pipeline import ModelPool
+
+    ops = load()
+    step = forward_step(served_lm(ModelPool().get("qwen2.5-coder-1.5b", "gguf")), 0, tokens, None, False)
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(3):
+        for on in best:
+            ops.use_rows_kernels(on)
+            start = time.perf_counter()
+            step()
+            best[on] = min(best[on], time.perf_counter() - start)
+    ops.use_rows_kernels(True)
+    print(f"\n| {tokens}-token prefill | ms a token |\n|---|---|")
+    for on, label in ((False, "vec_dot"), (True, "rows kernels")):
+        print(f"| {label} | {best[on] * 1e3 / tokens:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill", type=int, default=0, help="also time the 1.5B's prefill of this many tokens")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ops = load()
+    print("| matrix | rows | vec_dot ms | rows kernels ms | x | identical |\n|---|---|---|---|---|---|")
+    for name, kind, n, k in SHAPES:
+        w = ops.quantize(torch.randn(n, k), kind)
+        for m in (1, 4, 8, 16, 64):
+            x = torch.randn(m, k)
+            same = torch.equal(ops.matmul(x, [w], [kind]), ops.matmul(x, [w], [kind], by_vec_dot=True))
+            ref = _time(lambda: ops.matmul(x, [w], [kind], by_vec_dot=True))
+            rows = _time(lambda: ops.matmul(x, [w], [kind]))
+            print(f"| {name} {n}x{k} | {m} | {ref:.2f} | {rows:.2f} | {ref / rows:.2f} | {'yes' if same else 'NO'} |")
+    if args.prefill:
+        prefill(args.prefill)
+
+
+if __name__ == "__main__":
+    main()
