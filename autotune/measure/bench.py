@@ -434,6 +434,7 @@ def summarise(totals: dict[str, MethodTotals], methods: list[str]) -> dict[str, 
             "tokens_per_s": s.tokens_per_s,
             "new_tokens": s.new_tokens,
             "wall_s": s.wall_s,
+            "prefill_s": s.prefill_s or None,  # the prompts' processing, summed; None: not timed apart (HF)
             "acceptance_rate": s.acceptance_rate if s.drafted else None,
             "mean_accepted": s.mean_accepted if s.target_forwards else None,
             "draft_ms_per_100": s.draft_ms_per_100 if s.target_forwards and drafted else None,

@@ -33,6 +33,7 @@ namespace {
 std::atomic<bool> rows_kernels_on{true};  // off: every matmul by vec_dot (a side-by-side measurement's baseline)
 constexpr int64_t kRowBlock = 16;  // weight rows a task takes (held in L1/L2 across the activations)
 constexpr size_t kActTileBytes = 64 * 1024;  // quantised activation rows a rows-kernel pass takes (in L2)
+constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 measured slower)
 
 struct Init {
     Init() { ggml_cpu_init(); }
@@ -70,7 +71,6 @@ struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d
 struct BlockQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8K) == 292, "ggml block sizes");
 
-constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 measured slower)
 using RowsFn = void (*)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t);
 
 inline float half_to_float(uint16_t h) {

@@ -25,6 +25,9 @@ def test_bench_reports_every_method(tmp_path, capsys):
         for key in ("tokens_per_s", "wall_s", "acceptance_rate", "mean_accepted", "draft_ms_per_100",
                     "verify_ms_per_100", "speedup_vs_baseline", "mean_tree_size"):
             assert key in m
+        if name != "hf":  # HF's generate does not time its prefill apart
+            assert 0 < m["prefill_s"] < m["wall_s"], name
+    assert report["methods"]["hf"]["prefill_s"] is None
     assert report["methods"]["sd-tree"]["mean_tree_size"] > report["methods"]["sd"]["mean_tree_size"]
     assert "identical" in capsys.readouterr().out
 
