@@ -81,7 +81,8 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-inline float hsum8_ps(__m256 v) {
+// the sum of 8 lanes, in a fixed order (ggml's hsum_float_8's, the halves added the other way round: the same bits)
+inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
@@ -152,7 +153,7 @@ void q4k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
     for (int r = 0; r < R; ++r) {
         __m128 m = _mm_add_ps(acc_m[r], _mm_movehl_ps(acc_m[r], acc_m[r]));
         m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        out[r * out_stride] = hsum8_ps(acc[r]) + _mm_cvtss_f32(m);
+        out[r * out_stride] = hsum8(acc[r]) + _mm_cvtss_f32(m);
     }
 }
 
@@ -211,7 +212,7 @@ void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
                                      _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, offset)), acc[r]);
         }
     }
-    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8_ps(acc[r]);
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
 }
 
 // kRows rows at a time, then the rest in one pass of their own count
@@ -383,12 +384,6 @@ torch::Tensor dequantize(const torch::Tensor& w_in, int64_t type, int64_t K) {
 namespace {
 
 #ifdef AUTOTUNE_AVX2
-inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 // exp(x) in 8 lanes (x <= 0 here): x = n ln2 + r, a degree-6 polynomial for exp(r) (Cephes' expf
 // coefficients), 2^n through the exponent bits
