@@ -108,14 +108,21 @@ def read_gguf_blocks(path: Path, config: Any) -> dict[str, GgufWeights]:
     (copy-on-write), never copied but for llama's reordered q/k rows."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path), "c")
+    return blocks_from_reader(gguf.GGUFReader(str(path), "c"), config)[0]
+
+
+def blocks_from_reader(reader: Any, config: Any) -> tuple[dict[str, GgufWeights], GgufWeights | None]:
+    """``read_gguf_blocks`` of an open ``gguf.GGUFReader``, and the token embedding's blocks (None
+    where the file has none)."""
     out: dict[str, GgufWeights] = {}
-    head = None
+    head = embedding = None
     for t in reader.tensors:
         parts = t.name.split(".")
         if t.name in ("output.weight", "token_embd.weight"):
             if t.name == "output.weight" or head is None:
                 head = t
+            if t.name == "token_embd.weight":
+                embedding = GgufWeights(((_tensor_rows(t), int(t.tensor_type)),), int(t.shape[0]))
             continue
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_TENSORS or parts[3] != "weight":
             continue
@@ -129,7 +136,7 @@ def read_gguf_blocks(path: Path, config: Any) -> dict[str, GgufWeights]:
     if head is not None:
         check_supported(int(head.tensor_type), head.name)
         out["lm_head"] = GgufWeights(((_tensor_rows(head), int(head.tensor_type)),), int(head.shape[0]))
-    return out
+    return out, embedding
 
 
 def gguf_weights(hf_model: Any, path: Path | None) -> dict[str, GgufWeights]:

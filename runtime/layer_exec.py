@@ -267,6 +267,10 @@ GROUP_EXECUTORS: dict[str, GroupExecutor] = {
     "batched": batched_group,
     "loop": loop_group,
 }
+# a linear backend whose groups do not run "batched" (stacked float weights in one bmm): the GGUF
+# blocks run each member through the precision's own kernels, and a tree loaded from the blocks
+# alone (runtime.gguf_model) has no float weights to stack
+BACKEND_GROUP_EXECUTORS: dict[str, str] = {"gguf": "loop"}
 
 
 def run_blocks(

@@ -119,7 +119,7 @@ def _join_and_verify(src: PackagedGGUF, dest: Path) -> None:
 
 
 def _dequantise_to_cache(src: PackagedGGUF, out_dir: Path) -> None:
-    """GGUF -> float32 safetensors + tokenizer in ``out_dir`` (written atomically)."""
+    """GGUF -> float32 safetensors + tokenizer in ``out_dir`` (complete once its ``config.json`` is there)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,9 @@ def _dequantise_to_cache(src: PackagedGGUF, out_dir: Path) -> None:
         staged = work_dir / "model"
         model.save_pretrained(staged)
         tok.save_pretrained(staged)
-        staged.rename(out_dir)
+        out_dir.mkdir(exist_ok=True)  # it may hold the joined GGUF file already (kept_gguf)
+        for f in sorted(staged.iterdir(), key=lambda f: f.name == "config.json"):  # config.json, the mark, last
+            f.rename(out_dir / f.name)
 
 
 @contextmanager
@@ -239,14 +241,54 @@ def _local_dir_for(name: str, source: ModelSource) -> tuple[str | Path, str, str
     return source.repo_id, source.repo_id, source.revision
 
 
+def _tokenizer_of(name: str, source: PackagedGGUF) -> Any:
+    """A packaged model's tokenizer, read from its GGUF file once and kept in the cache (beside the
+    float32 tree's, which holds the same files when that was made first)."""
+    from transformers import AutoTokenizer
+
+    base = cache_root() / "models"
+    for where in (base / f"{name}-{source.sha256[:12]}", base / f"{name}-{source.sha256[:12]}-tokenizer"):
+        if (where / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(where)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=where.parent) as work:
+        path = kept_gguf(source, name)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        staged = Path(work) / "tokenizer"
+        tok.save_pretrained(staged)
+        staged.rename(where)
+    return AutoTokenizer.from_pretrained(where)
+
+
+def loads_blocks_only(name: str, precision: Precision, device: str | torch.device) -> bool:
+    """Whether ``name`` at ``precision`` loads from its GGUF blocks alone, never in float32
+    (``runtime.gguf_model``): a packaged GGUF model at a precision that reads only those blocks."""
+    return precision.blocks_only and torch.device(device).type == "cpu" \
+        and isinstance(resolve_model(name), PackagedGGUF)
+
+
+def _load_blocks_only(name: str, source: PackagedGGUF, prec: Precision) -> LoadedModel:
+    from runtime.gguf_model import load_blocks_only
+
+    model = load_blocks_only(kept_gguf(source, name), model_config(name))
+    loaded = LoadedModel(name=name, model_id=f"{name}@gguf:{source.sha256[:12]}", revision=source.sha256[:12],
+                         hf_model=model, tokenizer=_tokenizer_of(name, source))
+    return at_precision(loaded, prec)
+
+
 def load_model(name: str, precision: str | torch.dtype = DEFAULT_PRECISION, device: str = "cpu") -> LoadedModel:
     """Load ``name`` (alias, local dir or hub id) as an HF module tree on ``device``, to be served
-    at ``precision`` (a name in ``runtime.precision.PRECISIONS``, ``auto``, or a torch float dtype)."""
+    at ``precision`` (a name in ``runtime.precision.PRECISIONS``, ``auto``, or a torch float dtype).
+    A packaged GGUF model at a precision that reads only the file's blocks (``gguf``) is built from
+    the file alone (``loads_blocks_only``); any other load is a float tree of the precision's dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prec = as_precision(precision, device)
     torch_dtype = prec.load_dtype
     source = resolve_model(name)
+    if loads_blocks_only(name, prec, device):
+        assert isinstance(source, PackagedGGUF)
+        return _load_blocks_only(name, source, prec)
     where, model_id, revision = _local_dir_for(name, source)
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if isinstance(source, HubModel):

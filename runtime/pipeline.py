@@ -15,13 +15,14 @@ from runtime.errors import RuntimeUserError
 from runtime.layer_exec import check_plan_fits
 from runtime.linear import mkl_packing_available
 from runtime.loading import (
-    LoadedModel, as_precision, at_precision, check_vocab_compatible, load_model, prepare_backend, random_model,
+    LoadedModel, as_precision, at_precision, check_vocab_compatible, load_model, loads_blocks_only, prepare_backend,
+    random_model,
 )
 from runtime.lookup import PromptLookupDrafter
 from runtime.precision import PRECISIONS, draft_precision
 from runtime.transformer import CausalLM
 from search_spaces.kinds import DRAFT_MODEL, LAYER_SKIP, NONE, PROMPT_LOOKUP, attach, kind_of
-from search_spaces.strategy import Strategy
+from search_spaces.strategy import PLAIN, Strategy
 
 
 @dataclass
@@ -70,10 +71,14 @@ class ModelPool:
 
     def get(self, name: str, precision: str | torch.dtype) -> LoadedModel:
         """``name`` at ``precision`` (a name, ``auto`` or a torch float dtype). Precisions that
-        load the same dtype share one module tree (int4 and float32 both read float32 weights)."""
+        load the same dtype share one module tree (int4 and float32 both read float32 weights); a
+        packaged GGUF model at ``gguf`` has its own, built from the file's blocks alone."""
         prec = as_precision(precision, self.device)
         key = (name, prec.name)
         if key not in self._models:
+            if not self.random_weights and loads_blocks_only(name, prec, self.device):  # no float tree to share
+                self._models[key] = load_model(name, prec.name, self.device)
+                return self._models[key]
             tree_key = (name, prec.load_dtype)
             if tree_key not in self._trees:
                 load = random_model if self.random_weights else load_model
@@ -136,6 +141,12 @@ def _self_drafter(
 def draft_load_precision(strategy: Strategy, device: str, compiled: bool = False) -> str:
     """The precision name the strategy's draft model is loaded at (``ModelPool.get``)."""
     return draft_precision(strategy.draft_precision, device, compiled).name
+
+
+def default_draft(pool: ModelPool, name: str) -> LoadedModel:
+    """Draft model ``name`` as strategies draft with it by default (``draft_precision`` auto): what a
+    caller reads its config and vocabulary from, without loading a second tree of it."""
+    return pool.get(name, draft_load_precision(PLAIN, pool.device, pool.compile))
 
 
 def verify_backend(device: str) -> str:

@@ -31,6 +31,9 @@ class Precision:
     backend: str  # the linear backend of every projection and the head, every width
     devices: tuple[str, ...] | None = None  # device kinds with a kernel (None: any)
     summary: str = ""
+    # the backend reads nothing but a GGUF file's blocks: a packaged model loads without float weights
+    # (``runtime.loading.loads_blocks_only``)
+    blocks_only: bool = False
 
     @property
     def quantised(self) -> bool:
@@ -54,7 +57,8 @@ PRECISIONS: dict[str, Precision] = {
     "int4": Precision("int4", torch.float32, "int4", ("cpu",), "int4 weights in groups of 32, bf16 activations"),
     "w8a8": Precision("w8a8", torch.float32, "w8a8", ("cpu",), "int8 weights, int8 activations per token"),
     "gguf": Precision("gguf", torch.float32, "gguf", ("cpu",),
-                      "the GGUF file's own blocks on ggml's CPU kernels (llama.cpp's), activations quantised per row"),
+                      "the GGUF file's own blocks on ggml's CPU kernels (llama.cpp's), activations quantised per row",
+                      blocks_only=True),
 }
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUTO = "auto"

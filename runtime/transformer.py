@@ -22,7 +22,7 @@ from runtime.compiled import bucketed, cuda_graphs
 from runtime.errors import RuntimeUserError
 from runtime.fused import RowKernels, silu_mlp
 from runtime.kv_cache import KVCache
-from runtime.layer_exec import AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
+from runtime.layer_exec import BACKEND_GROUP_EXECUTORS, AttnInputs, CompiledPlan, Recorder, compile_plan, run_blocks
 from runtime.layout import CHAIN, ROW_KERNEL, BatchPart, Layout, invariant_rows
 from runtime.linear import (
     FUSED_BACKENDS, FUSED_PROJECTIONS, ROW_INVARIANT_BACKENDS, Linear, bf16_prefill,
@@ -109,7 +109,7 @@ class CausalLM(RowKernels):
             max_positions=cfg.max_position_embeddings,
         )
         self.dtype = self.lm_head.weight.dtype
-        self.device = self.lm_head.weight.device
+        self.device = self.norm.weight.device  # the head's weight may exist only as GGUF blocks (runtime.gguf_model)
         self.rope = RotaryTable(
             rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.dtype, self.device,
             min(self.dims.max_positions, RotaryTable.PRECOMPUTED_POSITIONS),
@@ -162,6 +162,7 @@ class CausalLM(RowKernels):
         ``draft``: this wrapper only drafts, so its head may run a faster, inexact backend
         (``runtime.linear.DRAFT_HEAD_BACKENDS``)."""
         self.backend, self.width, self.head_backend = backend, width, head_backend(backend, draft)
+        self.group_executor = BACKEND_GROUP_EXECUTORS.get(backend, "batched")
         fuse = backend in FUSED_BACKENDS
         self.linears = [
             _layer_linears(layer, lambda w, b, src: make_linear(backend, w, b, width, src), fuse, backend)
@@ -191,7 +192,7 @@ class CausalLM(RowKernels):
         if other.hf_model is not self.hf_model:
             raise ValueError("can only share linears between wrappers of the same model")
         self.backend, self.width, self.head_rows = other.backend, other.width, other.head_rows
-        self.head_backend = other.head_backend
+        self.head_backend, self.group_executor = other.head_backend, other.group_executor
         self.linears, self.head = other.linears, other.head
         self._prefill = other._prefill
         self._fused = other._fused

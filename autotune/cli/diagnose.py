@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CliError(f"--limit must be at least 1, got {args.limit}")
     items = prompt_items(args)
-    model = ModelPool(device=args.device).get(args.model, args.precision)
+    pool = ModelPool(device=args.device)
+    model = pool.get(args.model, args.precision)
+    if getattr(model.hf_model, "blocks_only", False):  # states are compared on the float tree (dense layer loop)
+        model = pool.get(args.model, "float32")
     prompts = tokenize(items, model.tokenizer)
     report = diagnose(CausalLM(model.hf_model), [ids for _, ids in prompts], lp_sizes)
     report["config"] = {"model": model.model_id, "task": args.task, "prompt_ids": [pid for pid, _ in prompts],

@@ -99,7 +99,7 @@ def _space_and_settings(args: argparse.Namespace) -> tuple[Any, Any]:
 def _run_study(args: argparse.Namespace, space: Any, settings: Any) -> Any:
     from autotune.store.storage import open_storage
     from autotune.tuning.study import run_study
-    from runtime.pipeline import ModelPool
+    from runtime.pipeline import ModelPool, default_draft
     from studies import routing_text
 
     items = prompt_items(args)
@@ -109,7 +109,7 @@ def _run_study(args: argparse.Namespace, space: Any, settings: Any) -> Any:
         if args.draft:
             from runtime.loading import check_vocab_compatible
 
-            check_vocab_compatible(target, pool.get(args.draft, "float32"))
+            check_vocab_compatible(target, default_draft(pool, args.draft))
         prompts, cfg = fitting_prompts(args, pool, target, items)
         return run_study(
             pool, target, args.draft, args.task, [ids for _, ids in prompts], cfg, storage, space.name, settings,

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from runtime.compiled import NEW_STEPS, bucketed
 from runtime.decoding import GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.pipeline import ModelPool, build_decoder, draft_load_precision
+from runtime.pipeline import ModelPool, build_decoder, default_draft, draft_load_precision
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import SKIP_RATIO, easyspec_plan, uniform_skip_plan
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
@@ -50,7 +50,7 @@ MethodFactory = Callable[[BenchContext], Method]
 
 
 def _hf(ctx: BenchContext, assistant: LoadedModel | None = None, static: bool = False) -> Method:
-    model = ctx.target.hf_model
+    model = _float_tree(ctx, ctx.target)
 
     def run(prompt: list[int], cfg: GenerationConfig) -> MethodRun:
         ids = torch.tensor([prompt], device=model.device)
@@ -59,7 +59,7 @@ def _hf(ctx: BenchContext, assistant: LoadedModel | None = None, static: bool = 
             pad_token_id=cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
         )
         if assistant is not None:
-            kwargs["assistant_model"] = assistant.hf_model
+            kwargs["assistant_model"] = _float_tree(ctx, assistant)
         if static:
             cache_len = static_cache_len(len(prompt), cfg.max_new_tokens)
             kwargs.update(cache_implementation="static", max_cache_len=cache_len)
@@ -80,6 +80,13 @@ STATIC_CACHE_BUCKET = 512  # hf-static sizes its cache in these steps: one compi
 def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
     """The static cache length for a prompt: its worst case rounded up to a bucket."""
     return bucketed(prompt_len + max_new_tokens, STATIC_CACHE_BUCKET)
+
+
+def _float_tree(ctx: BenchContext, model: LoadedModel) -> Any:
+    """The HF module tree HF's ``generate`` runs: ``model``'s, or a float32 one where it holds only
+    GGUF blocks (``runtime.gguf_model``)."""
+    return ctx.pool.get(model.name, "float32").hf_model if getattr(model.hf_model, "blocks_only", False) \
+        else model.hf_model
 
 
 def _hf_static(ctx: BenchContext) -> Method:
@@ -175,7 +182,7 @@ def _uniform_strategy(ctx: BenchContext) -> Strategy:
     from search_spaces.spaces import get_space, uniform_strategy
 
     space = get_space(reference_space(ctx.draft_name))
-    draft = ctx.pool.get(ctx.draft_name, "float32") if ctx.draft_name else None
+    draft = default_draft(ctx.pool, ctx.draft_name) if ctx.draft_name else None
     ratio = float(ctx.options.get("r", ctx.skip_ratio))
     return uniform_strategy(space.name, space_context(space, ctx.target, draft, ratio))
 

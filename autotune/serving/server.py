@@ -103,12 +103,12 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None, hooks: Hooks 
     from autotune.serving.startup import start_up
     from autotune.serving.worker import DecodeWorker
     from runtime.loading import check_vocab_compatible
-    from runtime.pipeline import ModelPool
+    from runtime.pipeline import ModelPool, default_draft
 
     pool = pool if pool is not None else ModelPool(device=cfg.device, compile=cfg.compile)
     target = pool.get(cfg.model, cfg.dtype)
     if cfg.draft:
-        check_vocab_compatible(target, pool.get(cfg.draft, "float32"))
+        check_vocab_compatible(target, default_draft(pool, cfg.draft))
     metrics = ServingMetrics()
     book = StrategyBook(storage, target, cfg.draft, cfg.device, metrics, cfg.route_distance)
     book.refresh()

@@ -39,7 +39,7 @@ from autotune.tuning.heldout import Candidate, Verdict, choose, judge_on, plain_
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.loading import LoadedModel
-from runtime.pipeline import ModelPool, build_decoder
+from runtime.pipeline import ModelPool, build_decoder, default_draft
 from runtime.stats import DecodeStats
 from search_spaces.layer_plan import SKIP_RATIO, uniform_skip_plan
 from search_spaces.spaces import TREE_SHAPES, SearchSpace, SpaceContext, get_space, uniform_strategy
@@ -264,7 +264,7 @@ def _build(
 ) -> _Setup:
     """The tuning decoder, the study (resumed when it exists) and the online tuner."""
     space = get_space(space_name)
-    draft = pool.get(draft_name, "float32") if draft_name else None
+    draft = default_draft(pool, draft_name) if draft_name else None
     ctx = space_context(space, target, draft, skip_ratio)
     uniform = uniform_strategy(space.name, ctx)
     width = verify_width(space, ctx)

@@ -136,17 +136,14 @@ def test_the_build_is_keyed_by_the_cpu_flags(monkeypatch):
 @pytest.mark.slow
 def test_packaged_blocks_are_the_files_own_and_memory_mapped(pool):
     """SmolLM2 at gguf runs its file's Q4_1 projections and its tied Q8_0 embedding as the head, in
-    place: the blocks equal the file's bytes, and Hugging Face's dequantised weights are what ggml
-    decodes them into."""
+    place: the blocks equal the file's bytes, and Hugging Face's dequantised weights (the float32
+    tree's) are what ggml decodes them into."""
     import gguf
 
     from runtime.loading import kept_gguf
     from runtime.models import resolve_model
 
-    from runtime.loading import prepare_gguf
-
     model = pool.get("smollm2-135m", "gguf")
-    prepare_gguf(model)
     mods = dict(model.hf_model.named_modules())
     up = mods["model.layers.3.mlp.up_proj"].gguf_weights
     head = mods["lm_head"].gguf_weights
@@ -154,7 +151,41 @@ def test_packaged_blocks_are_the_files_own_and_memory_mapped(pool):
     reader = gguf.GGUFReader(str(kept_gguf(resolve_model("smollm2-135m"), "smollm2-135m")))
     raw = next(t for t in reader.tensors if t.name == "blk.3.ffn_up.weight")
     assert np.array_equal(up.segments[0][0].numpy(), np.asarray(raw.data))
-    assert torch.equal(up.dequantise(), mods["model.layers.3.mlp.up_proj"].weight.detach())
+    floats = dict(pool.get("smollm2-135m", "float32").hf_model.named_modules())
+    assert torch.equal(up.dequantise(), floats["model.layers.3.mlp.up_proj"].weight.detach())
+
+
+@pytest.mark.slow
+def test_a_packaged_model_at_gguf_is_loaded_from_its_blocks_alone(pool):
+    """No float weight of a projection, the head or the embedding exists at gguf: the tree holds the
+    file's blocks, its embedding looks rows up in them, its norms and biases are the file's; and it
+    computes bit for bit what the float32 tree with the same blocks attached computes (SmolLM2: a
+    llama with reordered q/k rows and a tied embedding; the Qwen 0.5B: q/k/v biases)."""
+    from runtime.gguf_model import GgufEmbedding
+    from runtime.loading import at_precision, prepare_gguf
+    from runtime.precision import PRECISIONS
+    from runtime.transformer import CausalLM
+
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
+        lean = pool.get(name, "gguf")
+        tree = lean.hf_model
+        assert tree.blocks_only and isinstance(tree.model.embed_tokens, GgufEmbedding)
+        metas = {n for n, p in tree.named_parameters() if p.is_meta}
+        linears = {n for n, m in tree.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert metas == {f"{n}.weight" for n in linears}  # nothing else lacks a value; these have none
+        assert all(getattr(m, "gguf_weights", None) is not None for n, m in tree.named_modules() if n in linears)
+        assert pool.get(name, "float32").hf_model is not tree  # never shared with a float precision
+
+        floats = at_precision(pool.get(name, "float32"), PRECISIONS["gguf"])
+        prepare_gguf(floats)
+        reference = CausalLM(floats.hf_model)
+        reference.use_linear_backend("gguf")
+        served = pool.served(lean)
+        ids = torch.tensor(lean.tokenizer("def fib(n):\n    return fib(n - 1) +").input_ids)
+        with torch.inference_mode():
+            got, want = served(ids, served.new_cache(64)), reference(ids, reference.new_cache(64))
+        assert torch.equal(got, want), name
+        assert lean.tokenizer.get_vocab() == floats.tokenizer.get_vocab()
 
 
 def test_a_build_without_a_toolchain_fails_with_one_line(monkeypatch, capsys):

@@ -89,6 +89,7 @@ from autotune.tuning.controller import controller_cost
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.tuner import OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationResult
+from runtime.pipeline import default_draft
 from runtime.stats import DecodeStats
 from search_spaces.errors import SpaceError
 from search_spaces.layer_plan import SKIP_RATIO
@@ -130,7 +131,7 @@ class Adapter:
         self.book, self.metrics, self.decoders = book, metrics, decoders
         self.destination = Destination(storage, book, target, draft, device)  # where results are stored
         self.space = get_space(settings.space)
-        draft_model = pool.get(draft, "float32") if draft else None
+        draft_model = default_draft(pool, draft) if draft else None
         self.ctx = space_context(self.space, target, draft_model, SKIP_RATIO)
         self.width = verify_width(self.space, self.ctx)
         self.standby = standby_strategies(self.space, self.ctx)
