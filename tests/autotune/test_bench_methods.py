@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from autotune.errors import MethodError
-from autotune.measure.bench import BenchContext, _lookup_strategy, _sd_strategy, _tree_strategy, parse_method
+from autotune.measure.methods import BenchContext, _lookup_strategy, _sd_strategy, _tree_strategy, parse_method
 from search_spaces.strategy import DEFAULT_TREE_WIDTHS, Strategy
 
 

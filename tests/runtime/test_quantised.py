@@ -278,7 +278,9 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
     token for token, with speculation asserted; the model id names the precision."""
     target = qpool.get("smollm2-135m", precision)
     assert target.model_id.endswith(f"#{precision}") and target.precision == precision
-    assert qpool.get("smollm2-135m", "float32").hf_model is target.hf_model  # one module tree
+    # one float module tree for every float-weight precision; gguf's own, built from the file's blocks alone
+    own = getattr(target.hf_model, "blocks_only", False)
+    assert own == (precision == "gguf") and (qpool.get("smollm2-135m", "float32").hf_model is target.hf_model) != own
     n = target.hf_model.config.num_hidden_layers
     cfg = GenerationConfig(max_new_tokens=32, eos_token_ids=eos_ids(target))
     other = "int4" if precision == "int8" else "int8"  # a draft that differs from the target
@@ -288,6 +290,8 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
         (Strategy(draft_length=4, draft_precision="float32", layer_plan=easyspec_plan(n, 3)), "smollm2-135m"),
         (Strategy(drafter="layer-skip", draft_length=4, layer_plan=uniform_skip_plan(n, 0.2)), None),
         (Strategy(drafter="prompt-lookup", draft_length=6), None),
+        # an EasySpec draft at the target's precision: at gguf its groups run each member on the blocks (loop)
+        (Strategy(draft_length=4, draft_precision=precision, layer_plan=easyspec_plan(n, 3)), "smollm2-135m"),
     ]
     for task in ("gsm8k", "humaneval"):
         ids = _prompt(target, task)
@@ -297,6 +301,8 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
         for strategy, draft in strategies:
             decoder = build_decoder(qpool, target, strategy, draft)
             assert decoder.target.backend == precision  # the verify runs the plain step's kernels
+            if strategy.draft_precision == precision:
+                assert decoder.drafter.model.group_executor == ("loop" if precision == "gguf" else "batched")
             got = decoder.generate(ids, cfg)
             assert got.tokens == want, (precision, task, strategy)
             if strategy.drafter != "prompt-lookup":
