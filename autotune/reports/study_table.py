@@ -166,6 +166,9 @@ def _precision_text(info: dict[str, Any] | None) -> str:
              f"{plain} for plain decoding ({est[plain]['plain_tps']:.1f} tok/s)")
     if fastest != info["precision"]:
         text += f"; tune at --precision {fastest} to check"
+    not_timed = info.get("not_timed") or {}
+    if not_timed:
+        text += f"; not timed: {', '.join(not_timed)} ({next(iter(not_timed.values()))})"
     return text
 
 

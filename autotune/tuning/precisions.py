@@ -19,8 +19,9 @@ from typing import Any
 from autotune.tuning.cost_model import forward_seconds
 from runtime.errors import RuntimeUserError
 from runtime.loading import LoadedModel
+from runtime.machine import available_memory
 from runtime.pipeline import ModelPool
-from runtime.precision import get_precision
+from runtime.precision import PRECISIONS, get_precision
 from runtime.stats import DecodeStats
 
 # the precisions compared besides the study's own (float32's packed verify copy of a large target
@@ -36,7 +37,8 @@ class PrecisionEstimate:
     current: bool  # the precision the study ran at (its figures are measured, not predicted)
 
 
-def _runnable(device: str) -> list[str]:
+def runnable(device: str) -> list[str]:
+    """The candidates this device can run."""
     out = []
     for name in CANDIDATES:
         try:
@@ -83,14 +85,43 @@ class _Steps:
         return sum(n * self.seconds(precision, r) for r, n in enumerate(rows_hist) if n and r >= 1)
 
 
+# a float-weight candidate's tree (float32) plus its quantised copy, as a share of the float32 tree
+FLOAT_TREE_FACTOR = 1.3
+
+
+def float_tree_bytes(target: LoadedModel) -> int:
+    """Bytes of ``target``'s weights as a float32 tree (its embedding included, wherever it lives)."""
+    tree = target.hf_model
+    n = sum(p.numel() for p in tree.parameters())
+    embed = tree.get_input_embeddings()
+    untied = not getattr(tree.config, "tie_word_embeddings", False)  # a tied head's weight is counted already
+    if untied and not any(True for _ in embed.parameters()):  # rows looked up in GGUF blocks (runtime.gguf_model)
+        n += embed.num_embeddings * embed.k
+    return 4 * n
+
+
+def untimed(target: LoadedModel, candidates: list[str]) -> dict[str, str]:
+    """Candidates not timed, with why: a target loaded from its GGUF blocks alone (``gguf``) has no
+    float tree, and the float-weight precisions need one; they are timed only where it, and its
+    quantised copy, fit in the memory available now (an 8B model's would not fit in 24 GiB)."""
+    if not getattr(target.hf_model, "blocks_only", False):
+        return {}
+    need, free = FLOAT_TREE_FACTOR * float_tree_bytes(target), available_memory()
+    if free is None or need <= free:
+        return {}
+    why = f"its float32 tree needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB is available"
+    return {p: why for p in candidates if p != target.precision and not PRECISIONS[p].blocks_only}
+
+
 def estimate(
     pool: ModelPool, target: LoadedModel, stats: DecodeStats, width: int, context: int,
     candidates: tuple[str, ...] | None = None,
 ) -> list[PrecisionEstimate]:
     """Predicted plain and stored-strategy speed at each precision (``stats``: the stored strategy's
     measured decode, its rounds by rows in ``verify_rows``; ``width``: its verify width, 1 for plain
-    decoding)."""
-    names = list(candidates or _runnable(pool.device))
+    decoding); the ``untimed`` candidates are left out."""
+    names = list(candidates or runnable(pool.device))
+    names = [p for p in names if p not in untimed(target, names)]
     if target.precision not in names:
         names.insert(0, target.precision)
     steps = _Steps(pool, target, width, context)
@@ -109,8 +140,10 @@ def estimate(
     return out
 
 
-def advice(estimates: list[PrecisionEstimate]) -> dict[str, Any]:
-    """The fastest precision for the stored strategy and for plain decoding, with every estimate."""
+def advice(estimates: list[PrecisionEstimate], not_timed: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fastest precision for the stored strategy and for plain decoding, with every estimate
+    (and the candidates not timed, with why: ``untimed``)."""
     best = max(estimates, key=lambda e: e.chosen_tps)
     plain = max(estimates, key=lambda e: e.plain_tps)
-    return {"fastest": best.precision, "fastest_plain": plain.precision, "estimates": [asdict(e) for e in estimates]}
+    return {"fastest": best.precision, "fastest_plain": plain.precision, "estimates": [asdict(e) for e in estimates],
+            "not_timed": dict(not_timed or {})}

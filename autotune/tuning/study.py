@@ -232,13 +232,13 @@ def _precision_advice(
 ) -> dict[str, Any]:
     """The precision the study ran at, and which one its stored strategy (and plain decoding)
     would be fastest at on this machine (``autotune.tuning.precisions``)."""
-    from autotune.tuning.precisions import advice, estimate
+    from autotune.tuning.precisions import advice, estimate, runnable, untimed
 
     speculative = report.chosen.speculates
     stats = report.verdict.chosen.stats
     context = sum(len(p) for p in prompts) // max(len(prompts), 1) + cfg.max_new_tokens // 2
-    return {"precision": target.precision,
-            **advice(estimate(pool, target, stats, setup.width if speculative else 1, context))}
+    estimates = estimate(pool, target, stats, setup.width if speculative else 1, context)
+    return {"precision": target.precision, **advice(estimates, untimed(target, runnable(pool.device)))}
 
 
 @dataclass

@@ -39,7 +39,7 @@ def _stats(rows_hist: list[int]) -> DecodeStats:
 
 
 def test_rounds_are_re_priced_by_the_rows_they_verified(synthetic):
-    target = SimpleNamespace(name="m", precision="int4")
+    target = SimpleNamespace(name="m", precision="int4", hf_model=None)
     stats = _stats([0, 10, 20, 30])  # 10 rounds of 1 row, 20 of 2, 30 of 3: short lookups
     got = {e.precision: e for e in estimate(SimpleNamespace(device="cpu"), target, stats, width=13, context=64,
                                             candidates=("int4", "w8a8"))}
@@ -55,8 +55,35 @@ def test_rounds_are_re_priced_by_the_rows_they_verified(synthetic):
 
 
 def test_plain_decoding_scales_with_the_one_row_step(synthetic):
-    target = SimpleNamespace(name="m", precision="int4")
+    target = SimpleNamespace(name="m", precision="int4", hf_model=None)
     stats = DecodeStats(new_tokens=33, verify_s=32 * COST["int4"](1), target_forwards=33, verify_rows=[0, 32])
     got = {e.precision: e for e in estimate(SimpleNamespace(device="cpu"), target, stats, width=1, context=64,
                                             candidates=("int4", "w8a8"))}
     assert got["w8a8"].chosen_tps == pytest.approx(32 / (32 * COST["w8a8"](1)))
+
+
+@pytest.mark.slow
+def test_a_target_loaded_from_its_blocks_times_float_precisions_only_where_their_tree_fits(pool, monkeypatch):
+    """A gguf target has no float tree; the advice loads one for int8 / int4 / w8a8 only where it and
+    its quantised copy fit in the memory available (an 8B model's would not in 24 GiB), and names why
+    it did not."""
+    target = pool.get("smollm2-135m", "gguf")
+    floats = pool.get("smollm2-135m", "float32")
+    size = precisions.float_tree_bytes(target)
+    assert size == 4 * sum(p.numel() for p in floats.hf_model.parameters())
+    candidates = ["int8", "int4", "w8a8", "gguf"]
+    monkeypatch.setattr(precisions, "available_memory", lambda: 2 * size)
+    assert precisions.untimed(target, candidates) == {}
+    monkeypatch.setattr(precisions, "available_memory", lambda: size)
+    left = precisions.untimed(target, candidates)
+    assert set(left) == {"int8", "int4", "w8a8"} and "GiB is available" in left["int4"]
+    assert precisions.untimed(pool.get("smollm2-135m", "int4"), candidates) == {}  # its float tree is loaded
+
+
+def test_the_study_table_names_the_precisions_not_timed():
+    from autotune.reports.study_table import _precision_text
+
+    info = {"precision": "gguf", "fastest": "gguf", "fastest_plain": "gguf",
+            "estimates": [{"precision": "gguf", "plain_tps": 10.0, "chosen_tps": 20.0, "current": True}],
+            "not_timed": {"int4": "its float32 tree needs 40.0 GiB, 20.0 GiB is available", "w8a8": "same"}}
+    assert "not timed: int4, w8a8 (its float32 tree needs 40.0 GiB" in _precision_text(info)
