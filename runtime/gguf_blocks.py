@@ -106,17 +106,17 @@ def read_gguf_blocks(path: Path, config: Any) -> dict[str, GgufWeights]:
     """The file's own blocks of every layer projection and of the head (``output.weight``, else the
     tied ``token_embd.weight``), by HF module path, in the HF module's row order; memory-mapped
     (copy-on-write), never copied but for llama's reordered q/k rows."""
-    import gguf
+    from runtime.gguf_file import read_index
 
-    return blocks_from_reader(gguf.GGUFReader(str(path), "c"), config)[0]
+    return blocks_from_index(read_index(path), config)[0]
 
 
-def blocks_from_reader(reader: Any, config: Any) -> tuple[dict[str, GgufWeights], GgufWeights | None]:
-    """``read_gguf_blocks`` of an open ``gguf.GGUFReader``, and the token embedding's blocks (None
-    where the file has none)."""
+def blocks_from_index(index: Any, config: Any) -> tuple[dict[str, GgufWeights], GgufWeights | None]:
+    """``read_gguf_blocks`` of a file's tensors (``runtime.gguf_file.read_index``), and the token
+    embedding's blocks (None where the file has none)."""
     out: dict[str, GgufWeights] = {}
     head = embedding = None
-    for t in reader.tensors:
+    for t in index.tensors:
         parts = t.name.split(".")
         if t.name in ("output.weight", "token_embd.weight"):
             if t.name == "output.weight" or head is None:

@@ -79,13 +79,15 @@ def read_gguf_int4(path: Path, config: Any) -> dict[str, Int4Weights]:
     (``model.layers.3.mlp.up_proj``), in the HF module's row order."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from runtime.gguf_file import read_index
+
     out: dict[str, Int4Weights] = {}
-    for t in reader.tensors:
+    for t in read_index(path).tensors:
         parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_TENSORS or t.tensor_type.name not in DECODERS:
+        kind = gguf.GGMLQuantizationType(t.tensor_type).name
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_TENSORS or kind not in DECODERS:
             continue
-        q, scale, zero = DECODERS[t.tensor_type.name](np.asarray(t.data))
+        q, scale, zero = DECODERS[kind](np.asarray(t.data))
         if config.model_type == "llama" and parts[2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if parts[2] == "attn_q" else config.num_key_value_heads
             rows = llama_rows(q.shape[0], heads)

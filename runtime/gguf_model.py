@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from runtime.errors import RuntimeUserError
-from runtime.gguf_blocks import GgufWeights, attach, blocks_from_reader
+from runtime.gguf_blocks import GgufWeights, attach, blocks_from_index
+from runtime.gguf_file import read_index
 from runtime.gguf_int4 import llama_rows
 
 # the file's float tensors inside a layer (``blk.N.<name>``) -> the HF module path inside the layer
@@ -68,16 +69,15 @@ def load_blocks_only(path: Path, config: Any) -> Any:
     """The HF module tree of ``config`` over the GGUF file at ``path``: projections and head as the
     file's blocks, embedding as ``GgufEmbedding``, norms and biases read; nothing else materialised.
     A projection the file has no blocks for is refused (its float weight does not exist here)."""
-    import gguf
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    reader = gguf.GGUFReader(str(path), "c")
+    index = read_index(path)
     with init_empty_weights():  # parameters on meta; buffers (RoPE's inverse frequencies) real
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     model.generation_config = GenerationConfig.from_model_config(config)
-    blocks, embedding = blocks_from_reader(reader, config)
+    blocks, embedding = blocks_from_index(index, config)
     if embedding is None:
         raise RuntimeUserError(f"{path.name} has no {EMBEDDING}; load it with --precision float32")
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -88,7 +88,7 @@ def load_blocks_only(path: Path, config: Any) -> Any:
             "load it with --precision float32, int4 or w8a8")
     attach(model, blocks)
     floats = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         parts = t.name.split(".", 2)
         if t.name in MODEL_FLOATS:
             floats[MODEL_FLOATS[t.name]] = _float_tensor(t, config, t.name)
