@@ -1,7 +1,7 @@
 """Resident memory of loading a model, each precision in a fresh process: the process's resident size
-(VmRSS) after ``ModelPool.get`` and one plain step, and its peak (VmHWM) while loading, each less
+(VmRSS) after loading and one plain step, its peak (VmHWM), each less
 that of a bare interpreter with torch, transformers and the project imported, beside the GGUF
-file's size.
+file's size, and the seconds until it can step (``ModelPool.get`` and ``served``; caches made).
 
     python tools/load_memory.py [--model qwen2.5-coder-1.5b] [--precisions gguf,int4,w8a8,float32]
 """
@@ -20,16 +20,19 @@ def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) / 2**20 for k in ("VmRSS", "VmHWM")}  # GiB
 
+import time
 model, precision = sys.argv[1], sys.argv[2]
 bare = status()
+load_s = 0.0
 if precision != "-":
     from runtime.pipeline import ModelPool
     pool = ModelPool()
-    loaded = pool.get(model, precision)
+    start = time.perf_counter()
+    lm = pool.served(pool.get(model, precision))
+    load_s = time.perf_counter() - start
     with torch.inference_mode():
-        lm = pool.served(loaded)
         lm(torch.tensor([1, 2, 3]), lm.new_cache(8))
-print(json.dumps({"bare": bare, "loaded": status()}))
+print(json.dumps({"bare": bare, "loaded": status(), "load_s": load_s}))
 """
 
 
@@ -48,12 +51,12 @@ def main() -> None:
 
     size = kept_gguf(resolve_model(args.model), args.model).stat().st_size / 2**30
     print(f"{args.model}: GGUF file {size:.2f} GiB")
-    print(f"{'precision':>10} {'resident GiB':>13} {'x file':>7} {'peak GiB':>9} {'x file':>7}")
+    print(f"{'precision':>10} {'resident GiB':>13} {'x file':>7} {'peak GiB':>9} {'x file':>7} {'load s':>7}")
     for precision in args.precisions.split(","):
         r = measure(args.model, precision)
         rss = r["loaded"]["VmRSS"] - r["bare"]["VmRSS"]
         peak = r["loaded"]["VmHWM"] - r["bare"]["VmRSS"]
-        print(f"{precision:>10} {rss:>13.2f} {rss / size:>7.2f} {peak:>9.2f} {peak / size:>7.2f}")
+        print(f"{precision:>10} {rss:>13.2f} {rss / size:>7.2f} {peak:>9.2f} {peak / size:>7.2f} {r['load_s']:>7.1f}")
 
 
 if __name__ == "__main__":
