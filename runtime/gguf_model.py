@@ -4,8 +4,7 @@ The module tree is made with its parameters on the meta device (accelerate's ``i
 no storage); every projection and the head keep the file's memory-mapped blocks
 (``runtime.gguf_blocks``); the token embedding dequantises only the rows a forward looks up
 (``GgufEmbedding``); the few float tensors (norms, biases) are read from the file. The process
-therefore holds about the file's size, where a float32 tree would hold 4-7x it (an 8B model would
-not fit in 24 GiB). The linears' float weights stay on the meta device: only the ``gguf`` backend
+therefore holds about the file's size, and no float32 tree is ever made. The linears' float weights stay on the meta device: only the ``gguf`` backend
 runs such a tree (``runtime.pipeline.ModelPool`` keeps it apart from the float trees other
 precisions read), and anything else that reaches for a float weight fails on the meta tensor
 rather than computing on made-up values.
