@@ -1,9 +1,9 @@
 """The tensors of a GGUF file, indexed without decoding its metadata: each tensor's name, ggml type,
 shape and bytes, memory-mapped copy-on-write.
 
-``gguf.GGUFReader`` also decodes every metadata value into arrays, the tokenizer's vocabulary and
-merges among them, hundreds of thousands of strings (15-25 s for the 1.5B's file on a 2-core
-machine). A load needs only the tensors: this index steps over the metadata by its lengths alone.
+``gguf.GGUFReader`` also decodes every metadata value, the tokenizer's hundreds of thousands of
+strings among them, which dominates a load; a load needs only the tensors, so this index steps over
+the metadata by its lengths alone.
 """
 from __future__ import annotations
 
@@ -63,9 +63,9 @@ def read_index(path: Path) -> GgufIndex:
     one is one line naming it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    mm = np.memmap(path, dtype=np.uint8, mode="c")
-    buf = memoryview(mm)
     try:
+        mm = np.memmap(path, dtype=np.uint8, mode="c")
+        buf = memoryview(mm)
         magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
         if magic != b"GGUF" or version not in (2, 3):
             raise ValueError(f"magic {magic!r}, version {version}")
@@ -83,8 +83,10 @@ def read_index(path: Path) -> GgufIndex:
             shape = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
             ttype, offset = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
             off += 4 + 8 * n_dims + 12
+            if GGMLQuantizationType(ttype) not in GGML_QUANT_SIZES:  # (a type id it does not know: ValueError)
+                raise ValueError(f"tensor {name} has ggml type {ttype}, of no known block size")
             infos.append((name, ttype, tuple(int(d) for d in shape), offset))
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as exc:
         raise RuntimeUserError(f"{path} is not a GGUF file this runtime reads ({exc})") from exc
     start = -(-off // alignment) * alignment
     tensors = []

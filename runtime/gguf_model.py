@@ -4,10 +4,11 @@ The module tree is made with its parameters on the meta device (accelerate's ``i
 no storage); every projection and the head keep the file's memory-mapped blocks
 (``runtime.gguf_blocks``); the token embedding dequantises only the rows a forward looks up
 (``GgufEmbedding``); the few float tensors (norms, biases) are read from the file. The process
-therefore holds about the file's size, and no float32 tree is ever made. The linears' float weights stay on the meta device: only the ``gguf`` backend
-runs such a tree (``runtime.pipeline.ModelPool`` keeps it apart from the float trees other
-precisions read), and anything else that reaches for a float weight fails on the meta tensor
-rather than computing on made-up values.
+therefore holds about the file's size, and no float32 tree is ever made. The linears' float
+weights stay on the meta device: only the ``gguf`` backend runs such a tree
+(``runtime.pipeline.ModelPool`` keeps it apart from the float trees other precisions read), and
+anything else that reaches for a float weight fails on the meta tensor rather than computing on
+made-up values.
 """
 from __future__ import annotations
 

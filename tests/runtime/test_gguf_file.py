@@ -65,3 +65,18 @@ def test_the_packaged_file_indexes_as_the_reader_reads_it():
     from runtime.models import resolve_model
 
     _same_as_the_reader(kept_gguf(resolve_model("smollm2-135m"), "smollm2-135m"))
+
+
+def test_an_empty_file_or_an_unknown_tensor_type_is_one_line(tmp_path):
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(RuntimeUserError, match="is not a GGUF file"):
+        read_index(empty)
+    data = bytearray(_tiny_file(tmp_path / "tiny.gguf").read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name) + 4 + 8 * 2  # past the name, n_dims and two dims: the type id
+    data[at:at + 4] = (999).to_bytes(4, "little")
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(data))
+    with pytest.raises(RuntimeUserError, match="is not a GGUF file this runtime reads .*999"):
+        read_index(odd)
