@@ -52,6 +52,11 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return next(self.hf_model.parameters()).dtype
 
+    @property
+    def blocks_only(self) -> bool:
+        """Whether the tree holds only GGUF blocks, no float weights (``runtime.gguf_model``)."""
+        return getattr(self.hf_model, "blocks_only", False)
+
 
 AUTO_DTYPE = "auto"
 # ``auto``: the dtype per device kind (bf16 where the kernels are fast; fp32 on CPU for exact checks)
@@ -260,11 +265,10 @@ def _tokenizer_of(name: str, source: PackagedGGUF) -> Any:
     return AutoTokenizer.from_pretrained(where)
 
 
-def loads_blocks_only(name: str, precision: Precision, device: str | torch.device) -> bool:
+def loads_blocks_only(name: str, precision: Precision) -> bool:
     """Whether ``name`` at ``precision`` loads from its GGUF blocks alone, never in float32
     (``runtime.gguf_model``): a packaged GGUF model at a precision that reads only those blocks."""
-    return precision.blocks_only and torch.device(device).type == "cpu" \
-        and isinstance(resolve_model(name), PackagedGGUF)
+    return precision.blocks_only and isinstance(resolve_model(name), PackagedGGUF)
 
 
 def _load_blocks_only(name: str, source: PackagedGGUF, prec: Precision) -> LoadedModel:
@@ -286,7 +290,7 @@ def load_model(name: str, precision: str | torch.dtype = DEFAULT_PRECISION, devi
     prec = as_precision(precision, device)
     torch_dtype = prec.load_dtype
     source = resolve_model(name)
-    if loads_blocks_only(name, prec, device):
+    if loads_blocks_only(name, prec):
         assert isinstance(source, PackagedGGUF)
         return _load_blocks_only(name, source, prec)
     where, model_id, revision = _local_dir_for(name, source)

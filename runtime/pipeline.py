@@ -76,7 +76,7 @@ class ModelPool:
         prec = as_precision(precision, self.device)
         key = (name, prec.name)
         if key not in self._models:
-            if not self.random_weights and loads_blocks_only(name, prec, self.device):  # no float tree to share
+            if not self.random_weights and loads_blocks_only(name, prec):  # no float tree to share
                 self._models[key] = load_model(name, prec.name, self.device)
                 return self._models[key]
             tree_key = (name, prec.load_dtype)

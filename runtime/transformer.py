@@ -126,7 +126,6 @@ class CausalLM(RowKernels):
         self._fused: list[tuple[Any, ...]] | None = None  # per layer, what ``kernels.layer`` runs (RowKernels)
         self.head: Linear = self._build_head()
         self.use_linear_backend("dense")
-        self.group_executor = "batched"  # how layer-parallel groups run (runtime.layer_exec)
         self.row_ways: dict[int, str] = {}  # rows -> how a batched step runs them (runtime.linear.run_rows)
         self.recorder: Recorder | None = None  # observes attention sub-layers (diagnostics only)
         self._plans: OrderedDict[LayerPlan, CompiledPlan] = OrderedDict()  # LRU, see compiled()
@@ -162,7 +161,7 @@ class CausalLM(RowKernels):
         ``draft``: this wrapper only drafts, so its head may run a faster, inexact backend
         (``runtime.linear.DRAFT_HEAD_BACKENDS``)."""
         self.backend, self.width, self.head_backend = backend, width, head_backend(backend, draft)
-        self.group_executor = BACKEND_GROUP_EXECUTORS.get(backend, "batched")
+        self.group_executor = BACKEND_GROUP_EXECUTORS.get(backend, "batched")  # how layer-parallel groups run
         fuse = backend in FUSED_BACKENDS
         self.linears = [
             _layer_linears(layer, lambda w, b, src: make_linear(backend, w, b, width, src), fuse, backend)

@@ -3,7 +3,10 @@
 that of a bare interpreter with torch, transformers and the project imported, beside the GGUF
 file's size, and the seconds until it can step (``ModelPool.get`` and ``served``; caches made).
 
-    python tools/load_memory.py [--model qwen2.5-coder-1.5b] [--precisions gguf,int4,w8a8,float32]
+    python tools/load_memory.py [--model qwen2.5-coder-1.5b] [--precisions gguf,int4,w8a8,float32] [--index]
+
+``--index`` also times finding the file's tensors: ``runtime.gguf_file.read_index`` beside the
+``gguf`` package's ``GGUFReader`` (which decodes every metadata value too).
 """
 from __future__ import annotations
 
@@ -45,12 +48,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--precisions", default="gguf,int4,w8a8,float32")
+    ap.add_argument("--index", action="store_true", help="also time read_index against gguf.GGUFReader")
     args = ap.parse_args()
     from runtime.loading import kept_gguf
     from runtime.models import resolve_model
 
-    size = kept_gguf(resolve_model(args.model), args.model).stat().st_size / 2**30
+    path = kept_gguf(resolve_model(args.model), args.model)
+    size = path.stat().st_size / 2**30
     print(f"{args.model}: GGUF file {size:.2f} GiB")
+    if args.index:
+        import time
+
+        import gguf
+
+        from runtime.gguf_file import read_index
+
+        for label, read in (("read_index", read_index), ("gguf.GGUFReader", lambda p: gguf.GGUFReader(str(p), "c"))):
+            start = time.perf_counter()
+            read(path)
+            print(f"{label}: {time.perf_counter() - start:.2f} s")
     print(f"{'precision':>10} {'resident GiB':>13} {'x file':>7} {'peak GiB':>9} {'x file':>7} {'load s':>7}")
     for precision in args.precisions.split(","):
         r = measure(args.model, precision)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     items = prompt_items(args)
     pool = ModelPool(device=args.device)
     model = pool.get(args.model, args.precision)
-    if getattr(model.hf_model, "blocks_only", False):  # states are compared on the float tree (dense layer loop)
+    if model.blocks_only:  # states are compared on the float tree (dense layer loop)
         model = pool.get(args.model, "float32")
     prompts = tokenize(items, model.tokenizer)
     report = diagnose(CausalLM(model.hf_model), [ids for _, ids in prompts], lp_sizes)

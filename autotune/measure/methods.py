@@ -86,8 +86,7 @@ def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
 def _float_tree(ctx: BenchContext, model: LoadedModel) -> Any:
     """The HF module tree HF's ``generate`` runs: ``model``'s, or a float32 one where it holds only
     GGUF blocks (``runtime.gguf_model``)."""
-    return ctx.pool.get(model.name, "float32").hf_model if getattr(model.hf_model, "blocks_only", False) \
-        else model.hf_model
+    return ctx.pool.get(model.name, "float32").hf_model if model.blocks_only else model.hf_model
 
 
 def _hf_static(ctx: BenchContext) -> Method:

@@ -104,7 +104,7 @@ def untimed(target: LoadedModel, candidates: list[str]) -> dict[str, str]:
     """Candidates not timed, with why: a target loaded from its GGUF blocks alone (``gguf``) has no
     float tree, and the float-weight precisions need one; they are timed only where it, and its
     quantised copy, fit in the memory available now (an 8B model's would not fit in 24 GiB)."""
-    if not getattr(target.hf_model, "blocks_only", False):
+    if not target.blocks_only:
         return {}
     need, free = FLOAT_TREE_FACTOR * float_tree_bytes(target), available_memory()
     if free is None or need <= free:
@@ -119,9 +119,8 @@ def estimate(
 ) -> list[PrecisionEstimate]:
     """Predicted plain and stored-strategy speed at each precision (``stats``: the stored strategy's
     measured decode, its rounds by rows in ``verify_rows``; ``width``: its verify width, 1 for plain
-    decoding); the ``untimed`` candidates are left out."""
+    decoding; ``candidates``: the precisions to time, by default every ``runnable`` one)."""
     names = list(candidates or runnable(pool.device))
-    names = [p for p in names if p not in untimed(target, names)]
     if target.precision not in names:
         names.insert(0, target.precision)
     steps = _Steps(pool, target, width, context)

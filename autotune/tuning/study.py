@@ -237,8 +237,11 @@ def _precision_advice(
     speculative = report.chosen.speculates
     stats = report.verdict.chosen.stats
     context = sum(len(p) for p in prompts) // max(len(prompts), 1) + cfg.max_new_tokens // 2
-    estimates = estimate(pool, target, stats, setup.width if speculative else 1, context)
-    return {"precision": target.precision, **advice(estimates, untimed(target, runnable(pool.device)))}
+    candidates = runnable(pool.device)
+    skipped = untimed(target, candidates)  # the memory read once: what is timed and what is said agree
+    estimates = estimate(pool, target, stats, setup.width if speculative else 1, context,
+                         tuple(p for p in candidates if p not in skipped))
+    return {"precision": target.precision, **advice(estimates, skipped)}
 
 
 @dataclass

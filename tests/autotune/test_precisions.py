@@ -39,7 +39,7 @@ def _stats(rows_hist: list[int]) -> DecodeStats:
 
 
 def test_rounds_are_re_priced_by_the_rows_they_verified(synthetic):
-    target = SimpleNamespace(name="m", precision="int4", hf_model=None)
+    target = SimpleNamespace(name="m", precision="int4")
     stats = _stats([0, 10, 20, 30])  # 10 rounds of 1 row, 20 of 2, 30 of 3: short lookups
     got = {e.precision: e for e in estimate(SimpleNamespace(device="cpu"), target, stats, width=13, context=64,
                                             candidates=("int4", "w8a8"))}
@@ -55,7 +55,7 @@ def test_rounds_are_re_priced_by_the_rows_they_verified(synthetic):
 
 
 def test_plain_decoding_scales_with_the_one_row_step(synthetic):
-    target = SimpleNamespace(name="m", precision="int4", hf_model=None)
+    target = SimpleNamespace(name="m", precision="int4")
     stats = DecodeStats(new_tokens=33, verify_s=32 * COST["int4"](1), target_forwards=33, verify_rows=[0, 32])
     got = {e.precision: e for e in estimate(SimpleNamespace(device="cpu"), target, stats, width=1, context=64,
                                             candidates=("int4", "w8a8"))}

@@ -169,7 +169,7 @@ def test_a_packaged_model_at_gguf_is_loaded_from_its_blocks_alone(pool):
     for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
         lean = pool.get(name, "gguf")
         tree = lean.hf_model
-        assert tree.blocks_only and isinstance(tree.model.embed_tokens, GgufEmbedding)
+        assert lean.blocks_only and isinstance(tree.model.embed_tokens, GgufEmbedding)
         metas = {n for n, p in tree.named_parameters() if p.is_meta}
         linears = {n for n, m in tree.named_modules() if isinstance(m, torch.nn.Linear)}
         assert metas == {f"{n}.weight" for n in linears}  # nothing else lacks a value; these have none

@@ -279,7 +279,7 @@ def test_smollm_speculation_equals_plain_at_precision(qpool, precision):
     target = qpool.get("smollm2-135m", precision)
     assert target.model_id.endswith(f"#{precision}") and target.precision == precision
     # one float module tree for every float-weight precision; gguf's own, built from the file's blocks alone
-    own = getattr(target.hf_model, "blocks_only", False)
+    own = target.blocks_only
     assert own == (precision == "gguf") and (qpool.get("smollm2-135m", "float32").hf_model is target.hf_model) != own
     n = target.hf_model.config.num_hidden_layers
     cfg = GenerationConfig(max_new_tokens=32, eos_token_ids=eos_ids(target))
