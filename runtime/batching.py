@@ -13,13 +13,25 @@ A sequence alone runs its decoder's own round, exactly what ``Decoder.generate``
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult, Sequence
 from runtime.draft import Draft, DraftSteps, Forward
+from runtime.layout import PromptChunk
 from runtime.transformer import BatchPart, CausalLM
+
+
+@dataclass(eq=False)
+class Rider:
+    """A prompt chunk riding in a batch round's target forward (``batch_round``): its rows go in
+    beside the members' and out come its logits and its share of the forward's time (by rows)."""
+
+    chunk: PromptChunk
+    logits: torch.Tensor | None = None
+    seconds: float = 0.0
 
 
 @dataclass
@@ -67,13 +79,19 @@ def draft_together(all_steps: list[DraftSteps]) -> list[Draft]:
     return [d for d in drafts if d is not None]
 
 
-def batch_round(target: CausalLM, members: list[Member]) -> list[list[int]]:
+def batch_round(target: CausalLM, members: list[Member], riders: Collection[Rider] = ()) -> list[list[int]]:
     """One round for every member -> the tokens each one appended (>= 1 each; ``seq.out`` grows).
 
     ``target`` runs the batched forward: a wrapper of the members' target model (its linear backend
     decides how the rows are computed; ``runtime.linear.run_rows``). Each member's stats get its own
-    drafting time and the shared verify time."""
-    if len(members) == 1:
+    drafting time and the shared verify time. ``riders``: prompt chunks of sequences being started
+    (``Decoder.start_steps``) that run in the same target forward; only on a target whose rows are
+    reusable (``CausalLM.rows_reusable``: a chunk's rows come out bit for bit as its lone prefill's)."""
+    if riders and not target.rows_reusable:
+        raise ValueError("prompt chunks ride in a batched forward only on a target whose rows are reusable")
+    if not members:
+        raise ValueError("a batch round needs at least one member")
+    if len(members) == 1 and not riders:
         m = members[0]
         seq = m.seq
         with torch.inference_mode():
@@ -88,8 +106,13 @@ def batch_round(target: CausalLM, members: list[Member]) -> list[list[int]]:
         for m in drafting:  # the drafting forwards were shared: each sequence gets its share
             m.seq.stats.draft_s += (t1 - t0) / len(drafting)
         rows = [m.decoder.rows(m.seq.out[-1], d, m.seq.cache, pad=False) for m, d in zip(members, drafts)]
+        forward = time.perf_counter()
         logits = target.forward_batch([BatchPart(r.ids, m.seq.cache, r.positions, r.rel_mask)
-                                       for m, r in zip(members, rows)])
+                                       for m, r in zip(members, rows)] + [c.chunk.part for c in riders])
+        forward = time.perf_counter() - forward
+        all_rows = sum(int(r.ids.shape[0]) for r in rows) + sum(c.chunk.rows for c in riders)
+        for c, lg in zip(riders, logits[len(members):]):
+            c.logits, c.seconds = lg, forward * c.chunk.rows / all_rows
         results = [Decoder.judge(r, lg[: r.n].float(), d, m.seq.config.sampling, m.seq.gen)
                    for m, r, lg, d in zip(members, rows, logits, drafts)]
         got = torch.cat(results).tolist()  # the step's one host read

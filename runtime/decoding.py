@@ -14,7 +14,7 @@ import torch
 from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, KeepsRows, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.layout import Layout
+from runtime.layout import BatchPart, Layout, PromptChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
 from runtime.stats import DecodeStats
@@ -187,11 +187,18 @@ class Decoder:
             except StopIteration as done:
                 return done.value
 
-    def start_steps(self, prompt: list[int], config: GenerationConfig) -> Generator[int, None, "Sequence"]:
+    def start_steps(
+        self, prompt: list[int], config: GenerationConfig
+    ) -> Generator[PromptChunk, tuple[torch.Tensor, float] | None, "Sequence"]:
         """:meth:`start` a chunk at a time: the prompt is prefilled in forwards of at most
-        ``config.prefill_chunk`` tokens, and after each chunk but the last this yields the tokens
-        prefilled so far (a server steps its running batch there); returns the started sequence. The
-        rows a prefix cache (``prefix``) holds are not prefilled. A prompt that does not fit: an error."""
+        ``config.prefill_chunk`` tokens. Before each chunk this yields it (``PromptChunk``: its rows
+        on the sequence's cache, causal, logits for its last row); the caller sends back None (the
+        decoder runs the chunk alone, between whatever else the caller runs) or ``(logits,
+        seconds)``: it ran the chunk's part in a forward of its own (a server's batched step,
+        ``runtime.batching.batch_round``; only on a target whose rows are reusable, which computes
+        them bit for bit as alone) and that forward's share of the time. Returns the started
+        sequence. The rows a prefix cache (``prefix``) holds are not prefilled. A prompt that does
+        not fit: an error."""
         self.check_fits(len(prompt), config)
         seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
         seq.gen = decode_generator(self.target.device, config.seed)
@@ -203,10 +210,15 @@ class Decoder:
             seq.stats.prefix_rows = prefix.reuse(self.target, prompt, seq.cache, chunk, len(prompt) - 1)
             spent += time.perf_counter() - started
         for at in range(seq.stats.prefix_rows, len(prompt), chunk):
-            started = time.perf_counter()
             ids = torch.tensor(prompt[at : at + chunk], device=self.target.device)
+            ran = yield PromptChunk(BatchPart(ids, seq.cache, logits_for=slice(-1, None)), at + len(ids), len(prompt))
+            started = time.perf_counter()
             with torch.inference_mode():  # never held across a yield: the caller's code runs there
-                logits = self.target(ids, seq.cache, Layout.chunk(), logits_for=slice(-1, None))
+                if ran is None:
+                    logits = self.target(ids, seq.cache, Layout.chunk(), logits_for=slice(-1, None))
+                else:
+                    logits, shared = ran
+                    spent += shared
                 if at + chunk >= len(prompt):
                     seq.out.append(_pick(logits[0], config.sampling, seq.gen))
                     if prefix is not None:  # shared by later prompts (and batch-mates) from now on
@@ -216,8 +228,6 @@ class Decoder:
                         if prefix is not None and isinstance(drafter, KeepsRows):
                             drafter.reuse_rows(prefix, chunk)
             spent += time.perf_counter() - started
-            if not seq.out:
-                yield at + len(ids)
         seq.stats.prefill_s = spent  # the prefill's own forwards (a server's steps between chunks are not its cost)
         seq.stats.target_forwards = 1  # the prefill counts as one, however many chunks it took
         return seq

@@ -65,6 +65,26 @@ class BatchPart:
     logits_for: slice | None = None  # which of its rows get logits (None: all)
 
 
+@dataclass(frozen=True, eq=False)
+class PromptChunk:
+    """A prompt chunk a prefill is about to run (``Decoder.start_steps``): its rows as a part of a
+    batched forward (``part``: causal after the prompt's earlier rows, logits for its last row),
+    and the prompt's tokens prefilled once it has run (``done`` of ``total``)."""
+
+    part: BatchPart
+    done: int
+    total: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.part.tokens.shape[0])
+
+    @property
+    def last(self) -> bool:
+        """Whether the prompt's first new token comes out of this chunk."""
+        return self.done >= self.total
+
+
 CHAIN = Layout()
 PROMPT_CHUNK = Layout(chunk_of_prompt=True)
 

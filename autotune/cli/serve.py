@@ -29,9 +29,10 @@ def add_parser(sub: Any) -> None:
                    help="target rows one decode step verifies at most (plain: 1 per request, speculative: 1 + "
                         "drafted); drafts shrink to fit (default: no limit)")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
-                   help="a longer prompt is prefilled in forwards of this many tokens, the running requests "
-                        f"stepping between them (default: {field_default(GenerationConfig, 'prefill_chunk')}, as "
-                        "llama.cpp's n_ubatch)")
+                   help="a longer prompt is prefilled in chunks of this many tokens, one per decode step: inside "
+                        "the step's target forward, beside the running requests' rows, where the target's rows are "
+                        "reusable (gguf, w8a8, int8), else alone between steps (default: "
+                        f"{field_default(GenerationConfig, 'prefill_chunk')}, as llama.cpp's n_ubatch)")
     p.add_argument("--max-context", type=int, metavar="TOKENS",
                    help="prompt + max_tokens of one request (default: what fits --max-batch requests in the memory "
                         "free after loading, beside the prefix cache, at most the model's context; the ready line "

@@ -57,10 +57,22 @@ class Server:
         from runtime.pipeline import eos_ids
 
         self.eos = eos_ids(target)
-        # a longer prompt is prefilled in forwards of this many tokens, the batch stepping between them
+        # a longer prompt is prefilled in chunks of this many tokens, one per decode step (``prefill``)
         # (None: GenerationConfig's default)
         self.prefill_chunk = prefill_chunk
         self.lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="autotune-lookup")
+
+    def prefill(self) -> dict[str, Any]:
+        """How prompts are prefilled: chunks of ``chunk`` tokens, run inside the batch's decode steps
+        (``in_steps``: the target's rows are reusable, so a chunk's rows ride its forward bit for bit as
+        alone) or alone between them."""
+        chunk = self.prefill_chunk if self.prefill_chunk is not None else GenerationConfig().prefill_chunk
+        return {"chunk": chunk, "in_steps": self.worker.decoders.batch_target().rows_reusable}
+
+    def describe_prefill(self) -> str:
+        """The ready line's words for :meth:`prefill`."""
+        p = self.prefill()
+        return f"prompt chunks of {p['chunk']} tokens {'inside decode steps' if p['in_steps'] else 'between steps'}"
 
     def close(self) -> None:
         """Stop the worker (the running request stops at its next round) and flush store writes."""
@@ -202,6 +214,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         # each route's live acceptance per strategy: what the load-aware draft lengths start from
         out["acceptance"] = server.worker.figures.acceptance.describe()
         out["context"] = server.context
+        out["prefill"] = server.prefill()
         prefix = server.worker.decoders.prefix
         if prefix is not None:  # the prefix cache's budget in use
             st = prefix.stats

@@ -8,12 +8,15 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from autotune.serving.protocol import ApiError
 from autotune.serving.text import TextStream
 from autotune.tuning.controller import RequestController
 from runtime.batching import Member
 from runtime.decoding import Decoder, GenerationConfig, Sequence
 from runtime.errors import RuntimeUserError
+from runtime.layout import PromptChunk
 from runtime.stats import DecodeStats
 from search_spaces.strategy import Strategy
 
@@ -104,14 +107,16 @@ class Running:
 
 @dataclass
 class Prefilling:
-    """A request whose prompt is being prefilled, a chunk between the batch's steps
-    (``Decoder.start_steps``); it joins the batch after its last chunk."""
+    """A request whose prompt is being prefilled (``Decoder.start_steps``), a chunk at a time: in
+    the batch's step where its rows can ride there, else alone between steps; it joins the batch
+    after its last chunk."""
 
     job: Job
     strategy: Strategy
     decoder: Decoder
-    steps: Generator[int, None, Sequence]
-    started: bool = False  # its first chunk ran (at admission)
+    steps: Generator[PromptChunk, tuple[torch.Tensor, float] | None, Sequence]
+    chunk: PromptChunk | None = None  # the chunk it runs next
+    started: bool = False  # a chunk of it ran
 
 
 def user_errors(fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,6 +1,7 @@
-"""The decode thread's loop: admit waiting requests between steps, run a long prompt's prefill a chunk
-before each step, and step the running batch (``runtime.batching.batch_round``), each request's
-controller and planned draft first; answer each request as it leaves."""
+"""The decode thread's loop: admit waiting requests between steps, prefill a prompt a chunk per step
+(riding in the step's target forward where the target's rows are reusable, else alone before it),
+and step the running batch (``runtime.batching.batch_round``), each request's controller and
+planned draft first; answer each request as it leaves."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ from autotune.serving.planner import plan_step
 from autotune.serving.protocol import ApiError
 from autotune.serving.request_queue import RequestQueue
 from autotune.serving.worker_config import Hooks, WorkerConfig
-from runtime.batching import Member, batch_round
+from runtime.batching import Member, Rider, batch_round
 from runtime.decoding import GenerationResult
 from search_spaces.strategy import PLAIN
 
@@ -65,10 +66,10 @@ class DecodeLoop:
     def run(self) -> None:
         try:
             while self._fill():
-                if self.prefilling is not None:  # a long prompt: its next chunk, then the batch's step
+                if self.prefilling is not None and not self._rides():  # its next chunk alone, then the step
                     self._prefill()
                 if self.batch:
-                    self._step()
+                    self._step()  # with the prefilling request's next chunk where it rides
                 if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
                     self.adapter.after_answer(skip=self.requests.closing)
         except BaseException:  # nothing can go on after this: say so to everyone waiting
@@ -122,7 +123,13 @@ class DecodeLoop:
                 return
             strategy = job.choice.strategy
             dec = self.decoders.acquire(strategy)
-            self.prefilling = Prefilling(job, strategy, dec, dec.start_steps(job.ids, job.cfg))
+            p = Prefilling(job, strategy, dec, dec.start_steps(job.ids, job.cfg))
+            try:
+                p.chunk = user_errors(next, p.steps)  # its prefix cache's rows and its first chunk, not yet run
+            except BaseException:
+                self.decoders.release(strategy, dec)
+                raise
+            self.prefilling = p
         except ApiError as exc:
             self._fail(job, None, exc)
             self.solo = None
@@ -133,27 +140,40 @@ class DecodeLoop:
             self._fail(job, None, decode_failed())
             self.solo = None
             return
-        self._prefill()
+        if not self._rides():  # nothing running to ride with: its first chunk now
+            self._prefill()
 
-    def _prefill(self) -> None:
-        """The prefilling request's next prompt chunk; after its last, it joins the batch. A request
-        withdrawn (or stopped by a drain's grace) between chunks leaves with its decoder and slot."""
+    def _rides(self) -> bool:
+        """Whether the prefilling request's next chunk runs in the batch's next step: a batch is
+        running, the request is still wanted, and the batched forward's target has reusable rows on
+        the request's own kernels (the chunk's rows come out bit for bit as its lone prefill's)."""
+        p = self.prefilling
+        if p is None or p.chunk is None or not self.batch or p.job.cancelled.is_set():
+            return False
+        target = self.decoders.batch_target()  # computes the rows as the request's own target would
+        return target.rows_reusable and target.backend == p.decoder.target.backend
+
+    def _prefill(self, ran: tuple[Any, float] | None = None) -> None:
+        """The prefilling request's next prompt chunk, alone (``ran`` None), or the logits and time
+        share of the chunk that rode the step just run; after its last chunk, it joins the batch. A
+        request withdrawn (or stopped by a drain's grace) between chunks leaves with its decoder and
+        slot."""
         p = self.prefilling
         assert p is not None
         job, strategy, dec = p.job, p.strategy, p.decoder
         running: Running | None = None
         try:
             try:
-                if job.cancelled.is_set():
+                if ran is None and job.cancelled.is_set():
                     self.decoders.release(strategy, dec)
                     self.prefilling = self.solo = None
                     return
-                if p.started and self.hooks.on_prefill_chunk is not None:
-                    self.hooks.on_prefill_chunk()
+                if (ran is not None or p.started) and self.hooks.on_prefill_chunk is not None:
+                    self.hooks.on_prefill_chunk(ran is not None)
                 p.started = True
                 try:
-                    user_errors(next, p.steps)
-                    return  # more chunks: the batch steps first
+                    p.chunk = user_errors(p.steps.send, ran)
+                    return  # more chunks: the batch steps first (carrying the next where it rides)
                 except StopIteration as done:
                     seq = done.value
             except BaseException:
@@ -176,8 +196,11 @@ class DecodeLoop:
             self.solo = None  # not on a BaseException: the worker's end answers this request too
 
     def _step(self) -> None:
-        """One round for every running request; the finished, stopped and departed ones leave."""
+        """One round for every running request, the prefilling request's next chunk riding in its
+        target forward where it can; the finished, stopped and departed ones leave."""
         batch = list(self.batch)
+        p = self.prefilling
+        riders = [Rider(p.chunk)] if p is not None and p.chunk is not None and self._rides() else []
         self.control.before_round(batch)
         for r, shape in zip(batch, plan_step(batch, self.figures, self.config.max_batch_rows, self.config.load_aware)):
             r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
@@ -186,16 +209,20 @@ class DecodeLoop:
         try:
             self.sync_drafters(batch)  # timed as the requests' prefill, not the step's
             started = time.perf_counter()
-            user_errors(batch_round, self.decoders.batch_target(), [r.member for r in batch])
+            user_errors(batch_round, self.decoders.batch_target(), [r.member for r in batch], riders)
         except Exception as exc:  # which request's round failed is unknown: the step's requests fail
             if not isinstance(exc, ApiError):
                 self.failures += 1
                 log.exception("a batched decode step failed")
             for r in batch:
                 self._fail(r.job, r, exc if isinstance(exc, ApiError) else decode_failed())
+            if riders and p is not None:  # its chunk was in that forward
+                self.prefilling = self.solo = None
+                self.decoders.release(p.strategy, p.decoder)
+                p.job.emit("error", exc if isinstance(exc, ApiError) else decode_failed())
             return
         drafting_s = sum(r.member.seq.stats.draft_s for r in batch) - drafting
-        if len(batch) > 1:  # the target forward's time: the step's, less its drafting
+        if len(batch) > 1 and not riders:  # a decode step's target forward: the step's time, less its drafting
             forward_s = time.perf_counter() - started - drafting_s
             self.figures.step_cost.observe(sum(r.member.decoder.last_rows for r in batch), len(batch), forward_s)
         self.figures.observe_drafting(batch, [r.member.seq.stats.drafted - n for r, n in zip(batch, drafted)],
@@ -205,6 +232,8 @@ class DecodeLoop:
         for r in batch:
             if after_round(r.job, r.member.seq.out) or r.member.seq.finished:
                 self._leave(r)
+        for c in riders:  # the chunk's logits to its prefill (after its last, it joins the batch)
+            self._prefill((c.logits, c.seconds))
 
     def sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt

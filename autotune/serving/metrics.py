@@ -60,8 +60,12 @@ class ServingMetrics:
                                     registry=r)
         self.batch_rows = Histogram(f"{PREFIX}batch_rows", "Target rows each decode step verified (1 per plain "
                                     "request, 1 + drafted per speculative one)", buckets=ROW_BUCKETS, registry=r)
-        self.prefill_chunks = Counter(f"{PREFIX}prefill_chunks", "Prompt chunks prefilled between decode steps (a "
-                                      "prompt longer than --prefill-chunk: its chunks after the first)", registry=r)
+        self.prefill_chunks = Counter(f"{PREFIX}prefill_chunks", "Prompt chunks prefilled alone between decode steps "
+                                      "(a prompt longer than --prefill-chunk on a target whose rows are not reusable: "
+                                      "its chunks after the first)", registry=r)
+        self.prefill_chunks_in_steps = Counter(f"{PREFIX}prefill_chunks_in_steps", "Prompt chunks prefilled inside a "
+                                               "decode step's target forward, beside the running requests' rows (a "
+                                               "target whose rows are reusable)", registry=r)
         self.draft_length = Histogram(f"{PREFIX}step_draft_tokens", "Tokens drafted per request and step, by route",
                                       route, buckets=ROW_BUCKETS, registry=r)
         self.switches = Counter(f"{PREFIX}request_strategy_switches", "Strategy switches inside requests (the "
@@ -97,6 +101,10 @@ class ServingMetrics:
             self.draft_length.labels(r.job.choice.route).observe(n - 1)
         self.batch_size.observe(len(batch))
         self.batch_rows.observe(rows)
+
+    def observe_prefill_chunk(self, rode: bool) -> None:
+        """After a prompt chunk ran while a batch was running (``Hooks.on_prefill_chunk``)."""
+        (self.prefill_chunks_in_steps if rode else self.prefill_chunks).inc()
 
     def observe_control(self, job: Any) -> None:
         """After a controlled request decoded: its switches, final strategy, stop and scoring time."""

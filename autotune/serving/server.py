@@ -145,7 +145,7 @@ def _metric_hooks(metrics: Any, extra: Hooks) -> Hooks:
 
     return Hooks(on_done=_both(done, extra.on_done), on_step=_both(metrics.observe_step, extra.on_step),
                  on_control=_both(metrics.observe_control, extra.on_control),
-                 on_prefill_chunk=_both(metrics.prefill_chunks.inc, extra.on_prefill_chunk), fault=extra.fault)
+                 on_prefill_chunk=_both(metrics.observe_prefill_chunk, extra.on_prefill_chunk), fault=extra.fault)
 
 
 def _both(first: Callable[..., Any], then: Callable[..., Any] | None) -> Callable[..., Any]:
@@ -205,7 +205,8 @@ def _announce(server: Any, asked: str) -> None:
     from runtime.auto_precision import explain
 
     sized = f", {server.sizing.describe()}" if server.sizing is not None else ""
-    print(f"autotune serve: {server.name} ready at {explain(server.target.precision, asked)}{sized} "
+    print(f"autotune serve: {server.name} ready at {explain(server.target.precision, asked)}{sized}, "
+          f"{server.describe_prefill()} "
           f"(routes: {', '.join(server.book.describe())})", flush=True)
 
 

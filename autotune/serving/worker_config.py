@@ -47,7 +47,8 @@ class Hooks:
     on_done: Callable[[Any, Any], None] | None = None  # (job, outcome) once a request's answer is ready
     on_step: Callable[[list[Any]], None] | None = None  # after each batched step, with the requests it advanced
     on_control: Callable[[Any], None] | None = None  # after a controlled request decoded
-    on_prefill_chunk: Callable[[], None] | None = None  # after each prompt chunk run between batched steps
+    # after each prompt chunk run while a batch runs, but a first one run alone: True where it rode a step's forward
+    on_prefill_chunk: Callable[[bool], None] | None = None
     # a fault-injection point for tests, called on the decode thread before each request;
     # nothing reachable over HTTP sets it
     fault: Callable[[Any], None] | None = None

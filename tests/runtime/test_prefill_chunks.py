@@ -52,19 +52,22 @@ def test_a_chunk_that_saw_no_earlier_chunk_is_caught() -> None:
     assert not torch.allclose(alone, want, atol=1e-3)
 
 
-def test_start_steps_yields_after_every_chunk_but_the_last() -> None:
+def test_start_steps_yields_every_chunk_before_it_runs() -> None:
     dec = Decoder(_target())
     steps = dec.start_steps(PROMPT, GenerationConfig(max_new_tokens=4, prefill_chunk=8))
     seen = []
+    chunk = next(steps)
     while True:
+        assert chunk.part.cache.length == chunk.done - chunk.rows  # not run yet
+        seen.append((chunk.rows, chunk.done, chunk.last))
         try:
-            seen.append(next(steps))
+            chunk = next(steps)
         except StopIteration as done:
             seq = done.value
             break
-    assert seen == [8, 16]
+    assert seen == [(8, 8, False), (8, 16, False), (5, 21, True)]
     assert len(seq.out) == 1 and seq.cache.length == len(PROMPT) and seq.stats.target_forwards == 1
-    one = Decoder(_target()).start(PROMPT, GenerationConfig(max_new_tokens=4))  # one chunk: nothing yielded
+    one = Decoder(_target()).start(PROMPT, GenerationConfig(max_new_tokens=4))  # one chunk
     assert one.out == seq.out
 
 
