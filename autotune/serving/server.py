@@ -30,6 +30,13 @@ GRACE_S = 20.0  # SIGTERM: how long the running request may take to finish (unde
 BACKSTOP_S = 2.0  # uvicorn's own limit is the grace plus this: it cancels what is still open then
 
 
+# a server's prompt chunk by device where it is not GenerationConfig's 512 (--prefill-chunk sets it): on
+# the CPU a step that carries a chunk runs at ~25 ms a prompt row, so 512 rows would hold every running
+# request ~12 s; 64 hold them ~1.9 s, and the prompt's own prefill took no longer (the 1.5B at gguf,
+# 4 running requests, a 726-token prompt: 22.7 s in 64-row chunks, 24.3 s in 512; docs/log/23)
+PREFILL_CHUNK = {"cpu": 64}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str
@@ -50,7 +57,7 @@ class ServeConfig:
     max_context: int | None = None  # prompt + max_tokens per request; None: what fits (``sizing.size``)
     prefix_cache_gib: float | None = None  # the prefix cache's budget; 0: none; None: the default (``sizing``)
     max_batch_rows: int | None = None  # target rows one decode step verifies at most; None: no limit
-    prefill_chunk: int | None = None  # prompt tokens per prefill forward, steps between; None: GenerationConfig's
+    prefill_chunk: int | None = None  # prompt tokens per chunk, one chunk a step; None: PREFILL_CHUNK, else GenerationConfig's
     request_control: bool = True  # routed requests switch strategy inside the request (``autotune.tuning.controller``)
 
     def __post_init__(self) -> None:
@@ -134,8 +141,9 @@ def build_server(cfg: ServeConfig, storage: Any, pool: Any = None, hooks: Hooks 
         metrics.watch_prefix_cache(worker.decoders.prefix)
     if cfg.compile:  # compiled steps keep their K/V in static slots
         sizing = replace(sizing, prefix_off="not under --compile")
+    chunk = cfg.prefill_chunk if cfg.prefill_chunk is not None else PREFILL_CHUNK.get(cfg.device)
     return Server(cfg.model, target, worker, book, metrics, cfg.limits, context=sizing.context,
-                  prefill_chunk=cfg.prefill_chunk, sizing=sizing)
+                  prefill_chunk=chunk, sizing=sizing)
 
 
 def _metric_hooks(metrics: Any, extra: Hooks) -> Hooks:

@@ -244,7 +244,7 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
     server, worker = running.server, running.server.worker
     short = "Count from one to fifty in words, separated by commas."  # one chunk, and 40 tokens of answer
     long = routing_texts("gsm8k", 1, 30)[0]  # some 500 tokens: 8 chunks
-    server.prefill_chunk = 64
+    assert server.prefill_chunk == 64  # the CPU's default: a chunk a step
     client = running.client()
     try:
         want_short = chat(client, short, "plain", max_tokens=40)
@@ -266,7 +266,6 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
             got = got_short.result(), got_long.result()
         during = served.steps.prefilling[mark:]
     finally:
-        server.prefill_chunk = None
         served.gate.open()
     assert got[0][:2] == want_short[:2] and got[1][:2] == want_long[:2]
     chunks = metric(running.url, "autotune:prefill_chunks_in_steps_total") - chunks_before
