@@ -54,40 +54,47 @@ class DecodeLoop:
         self.failures = 0  # internal decode failures in a row
         self.died = False  # ended on what no request handler can catch
         self.batch: list[Running] = []  # the running batch
-        self.solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted (its prefill)
-        self.prefilling: Prefilling | None = None  # a long prompt's prefill, a chunk between steps (it is solo)
+        self.solo: Job | None = None  # a request decoding alone (a re-tune's), or being admitted
+        self.prefilling: list[Prefilling] = []  # requests whose prompts are being prefilled, in admission order
         self._stop_seen = False
         self.leaving = False  # a request was answered and its bookkeeping runs (``_leave``)
 
+    @property
+    def running(self) -> int:
+        """Requests being decoded, prefilled or admitted."""
+        return len(self.batch) + len(self.prefilling) + int(self.solo is not None)
+
     def running_jobs(self) -> list[Job]:
         """The requests being decoded now (for the drain's expiry, on its timer thread)."""
-        return [r.job for r in list(self.batch)] + ([self.solo] if self.solo is not None else [])
+        return [r.job for r in list(self.batch)] + [p.job for p in list(self.prefilling)] + (
+            [self.solo] if self.solo is not None else [])
 
     def run(self) -> None:
         try:
             while self._fill():
-                if self.prefilling is not None and not self._rides():  # its next chunk alone, then the step
-                    self._prefill()
+                self._drop_withdrawn()
+                if self.prefilling and not self._rides():  # the first prefill's next chunk alone, then the step
+                    self._prefill(self.prefilling[0])
                 if self.batch:
-                    self._step()  # with the prefilling request's next chunk where it rides
+                    self._step()  # with the prefills' next chunks riding, where they can
                 if self.adapter is not None:  # what a request left for after its answer (a re-tune's check and write)
                     self.adapter.after_answer(skip=self.requests.closing)
         except BaseException:  # nothing can go on after this: say so to everyone waiting
             self.died = True
             log.critical("the decode worker stopped; /health answers 503 from now on", exc_info=True)
-            for job in [r.job for r in self.batch] + [self.solo]:
-                if job is not None:
-                    job.emit("error", decode_failed())
-            self.batch, self.solo = [], None
+            for job in self.running_jobs():
+                job.emit("error", decode_failed())
+            self.batch, self.prefilling, self.solo = [], [], None
             self.requests.refuse_waiting(worker_dead())
 
     def _fill(self) -> bool:
-        """Admit waiting requests while the batch has room (blocking while nothing runs) -> False
-        once the worker should end (the stop sentinel was seen and nothing runs). Prefills run one
-        at a time: none is admitted while a long prompt's chunks are still running."""
-        while len(self.batch) < self.config.max_batch and self.prefilling is None:
+        """Admit waiting requests while the batch has room and the next step has prompt rows to
+        spare (blocking while nothing runs) -> False once the worker should end (the stop sentinel
+        was seen and nothing runs)."""
+        while len(self.batch) + len(self.prefilling) < self.config.max_batch and self._room_to_prefill():
             # block for the next request only when there is nothing else to do
-            idle = not self.batch and not self._stop_seen and not (self.adapter is not None and self.adapter.deferred)
+            idle = not self.batch and not self.prefilling and not self._stop_seen \
+                and not (self.adapter is not None and self.adapter.deferred)
             try:
                 job = self.requests.next(block=idle)
             except queue.Empty:
@@ -96,12 +103,26 @@ class DecodeLoop:
                 self._stop_seen = True
                 continue
             self._admit(job)
-        return bool(self.batch) or self.prefilling is not None or not self._stop_seen
+        return bool(self.batch) or bool(self.prefilling) or not self._stop_seen
+
+    def _room_to_prefill(self) -> bool:
+        """Whether another request may start its prefill: none is prefilling, or chunks ride the
+        steps (the target's rows are reusable) and the next step's prompt rows are under the budget
+        (one chunk's worth, ``prefill_chunk``: short prompts share a step, a long one takes it)."""
+        if not self.prefilling:
+            return True
+        if not self.decoders.batch_target().rows_reusable:
+            return False  # chunks run alone between steps: one prompt at a time
+        return sum(p.chunk.rows for p in self.prefilling if p.chunk is not None) < self._budget()
+
+    def _budget(self) -> int:
+        """Prompt rows one step carries (its first rider's whole chunk, whatever its size)."""
+        return self.prefilling[0].job.cfg.prefill_chunk if self.prefilling else 0
 
     def _admit(self, job: Job) -> None:
-        """Start ``job``: its prefill's first chunk now (a prompt of one chunk then joins the batch
-        at once; a longer one runs a chunk before each step until it joins). A re-tune's request
-        decodes whole, alone."""
+        """Start ``job``: its prefill, a chunk per step (riding the step where it can; its first now,
+        alone, where nothing runs or chunks cannot ride); after its last chunk it joins the batch. A
+        re-tune's request decodes whole, alone."""
         if job.cancelled.is_set():
             return
         if self.requests.closing:  # queued in the instant before a drain emptied the queue
@@ -119,7 +140,6 @@ class DecodeLoop:
             if retune is not None:
                 adapter = self.adapter
                 self._decode_alone(job, lambda after: adapter.generate_retune(job, retune, after))
-                self.solo = None
                 return
             strategy = job.choice.strategy
             dec = self.decoders.acquire(strategy)
@@ -129,45 +149,53 @@ class DecodeLoop:
             except BaseException:
                 self.decoders.release(strategy, dec)
                 raise
-            self.prefilling = p
+            self.prefilling.append(p)
         except ApiError as exc:
             self._fail(job, None, exc)
-            self.solo = None
             return
         except Exception:  # a bug must not kill the worker: report it to this request only
             self.failures += 1
             log.exception("decoding a request failed")  # the details go to the log, never to the client
             self._fail(job, None, decode_failed())
-            self.solo = None
             return
-        if not self._rides():  # nothing running to ride with: its first chunk now
-            self._prefill()
+        finally:
+            self.solo = None
+        if len(self.prefilling) == 1 and not self._rides():  # nothing to ride with: its first chunk now
+            self._prefill(p)
 
     def _rides(self) -> bool:
-        """Whether the prefilling request's next chunk runs in the batch's next step: a batch is
-        running, the request is still wanted, and the batched forward's target has reusable rows on
-        the request's own kernels (the chunk's rows come out bit for bit as its lone prefill's)."""
-        p = self.prefilling
-        if p is None or p.chunk is None or not self.batch or p.job.cancelled.is_set():
-            return False
-        target = self.decoders.batch_target()  # computes the rows as the request's own target would
-        return target.rows_reusable and target.backend == p.decoder.target.backend
+        """Whether prompt chunks run in the batch's next step: a batch is running and its batched
+        forward's target has reusable rows (a chunk's rows come out bit for bit as its lone prefill's)."""
+        return bool(self.batch) and self.decoders.batch_target().rows_reusable
 
-    def _prefill(self, ran: tuple[Any, float] | None = None) -> None:
-        """The prefilling request's next prompt chunk, alone (``ran`` None), or the logits and time
-        share of the chunk that rode the step just run; after its last chunk, it joins the batch. A
-        request withdrawn (or stopped by a drain's grace) between chunks leaves with its decoder and
-        slot."""
-        p = self.prefilling
-        assert p is not None
+    def _riders(self) -> list[tuple[Prefilling, Rider]]:
+        """The prefills whose next chunks ride the next step: in admission order, the first always,
+        the others while the step's prompt rows stay within the budget; each on the batched target's
+        own kernels (the target its decoder prefills alone with)."""
+        if not self._rides():
+            return []
+        backend, budget, rows, out = self.decoders.batch_target().backend, self._budget(), 0, []
+        for p in self.prefilling:
+            if p.chunk is None or p.decoder.target.backend != backend or (out and rows + p.chunk.rows > budget):
+                break
+            rows += p.chunk.rows
+            out.append((p, Rider(p.chunk)))
+        return out
+
+    def _drop_withdrawn(self) -> None:
+        """Prefills whose requests were withdrawn (or stopped by a drain's grace) leave with their
+        decoders and slots."""
+        for p in [p for p in self.prefilling if p.job.cancelled.is_set()]:
+            self.prefilling.remove(p)
+            self.decoders.release(p.strategy, p.decoder)
+
+    def _prefill(self, p: Prefilling, ran: tuple[Any, float] | None = None) -> None:
+        """``p``'s next prompt chunk, alone (``ran`` None), or the logits and time share of its chunk
+        that rode the step just run; after its last chunk, it joins the batch."""
         job, strategy, dec = p.job, p.strategy, p.decoder
         running: Running | None = None
         try:
             try:
-                if ran is None and job.cancelled.is_set():
-                    self.decoders.release(strategy, dec)
-                    self.prefilling = self.solo = None
-                    return
                 if (ran is not None or p.started) and self.hooks.on_prefill_chunk is not None:
                     self.hooks.on_prefill_chunk(ran is not None)
                 p.started = True
@@ -177,13 +205,12 @@ class DecodeLoop:
                 except StopIteration as done:
                     seq = done.value
             except BaseException:
+                self.prefilling.remove(p)
                 self.decoders.release(strategy, dec)
-                self.prefilling = None
                 raise
-            self.prefilling = None
+            self.prefilling.remove(p)
             running = Running(job, Member(dec, seq), strategy, self.control.controller(job, strategy, dec))
             self.batch.append(running)
-            self.solo = None
             if after_round(job, seq.out):
                 self._leave(running)
         except ApiError as exc:
@@ -192,15 +219,13 @@ class DecodeLoop:
             self.failures += 1
             log.exception("decoding a request failed")  # the details go to the log, never to the client
             self._fail(job, running, decode_failed())
-        if self.prefilling is None:
-            self.solo = None  # not on a BaseException: the worker's end answers this request too
 
     def _step(self) -> None:
-        """One round for every running request, the prefilling request's next chunk riding in its
-        target forward where it can; the finished, stopped and departed ones leave."""
+        """One round for every running request, the prefills' next chunks riding in its target
+        forward where they can; the finished, stopped and departed ones leave."""
         batch = list(self.batch)
-        p = self.prefilling
-        riders = [Rider(p.chunk)] if p is not None and p.chunk is not None and self._rides() else []
+        riding = self._riders()
+        riders = [rider for _, rider in riding]
         self.control.before_round(batch)
         for r, shape in zip(batch, plan_step(batch, self.figures, self.config.max_batch_rows, self.config.load_aware)):
             r.member.decoder.step_cap, r.member.decoder.step_width = shape.length, shape.width
@@ -216,8 +241,8 @@ class DecodeLoop:
                 log.exception("a batched decode step failed")
             for r in batch:
                 self._fail(r.job, r, exc if isinstance(exc, ApiError) else decode_failed())
-            if riders and p is not None:  # its chunk was in that forward
-                self.prefilling = self.solo = None
+            for p, _ in riding:  # their chunks were in that forward
+                self.prefilling.remove(p)
                 self.decoders.release(p.strategy, p.decoder)
                 p.job.emit("error", exc if isinstance(exc, ApiError) else decode_failed())
             return
@@ -232,8 +257,8 @@ class DecodeLoop:
         for r in batch:
             if after_round(r.job, r.member.seq.out) or r.member.seq.finished:
                 self._leave(r)
-        for c in riders:  # the chunk's logits to its prefill (after its last, it joins the batch)
-            self._prefill((c.logits, c.seconds))
+        for p, c in riding:  # each chunk's logits to its prefill (after its last, it joins the batch)
+            self._prefill(p, (c.logits, c.seconds))
 
     def sync_drafters(self, batch: list[Running]) -> None:
         """Before the first step a request drafts in, its drafting model runs over the prompt

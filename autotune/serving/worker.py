@@ -84,8 +84,8 @@ class DecodeWorker:
 
     @property
     def running(self) -> int:
-        """Requests being decoded."""
-        return len(self.loop.batch) + int(self.loop.solo is not None)
+        """Requests being decoded (prefills included)."""
+        return self.loop.running
 
     @property
     def depth(self) -> int:

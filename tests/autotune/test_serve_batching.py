@@ -51,11 +51,13 @@ class Steps:
     def __init__(self) -> None:
         self.sizes: list[int] = []
         self.prefilling: list[bool] = []
+        self.prefills: list[int] = []  # prompts being prefilled at each step
         self.worker = None
 
     def __call__(self, batch) -> None:
         self.sizes.append(len(batch))
-        self.prefilling.append(self.worker.loop.prefilling is not None)
+        self.prefilling.append(bool(self.worker.loop.prefilling))
+        self.prefills.append(len(self.worker.loop.prefilling))
 
 
 class Live:
@@ -272,6 +274,34 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
     assert chunks >= 3, chunks  # the long prompt's chunks (8 of 64 tokens) rode the short one's steps
     assert metric(running.url, "autotune:prefill_chunks_total") == alone_before  # none ran alone between steps
     assert sum(during) >= chunks, (chunks, during)  # each in a step taken while it prefilled
+
+
+def test_short_prompts_prefill_side_by_side_riding_the_running_step(served, store):
+    """Requests that arrive together while one runs are admitted together: their prompts (a chunk
+    each, within the step's prompt-row budget) ride the running request's steps side by side, and
+    every answer is its solo one."""
+    running, worker = served.running, served.running.server.worker
+    texts = ["Say hi.", "Name a colour.", "What is two plus two?"]
+    client = running.client()
+    long = "Count from one to fifty in words, separated by commas."
+    want = [chat(client, long, "plain", max_tokens=40)] + [chat(client, t, "plain", max_tokens=8) for t in texts]
+    mark = len(served.steps.prefills)
+    served.gate.shut()
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            futures = [ex.submit(chat, client, long, "plain", max_tokens=40)]
+            deadline = time.monotonic() + 30
+            while worker.running == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            futures += [ex.submit(chat, client, t, "plain", max_tokens=8) for t in texts]
+            while worker.requests.waiting < len(texts) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            served.gate.open()
+            got = [f.result() for f in futures]
+    finally:
+        served.gate.open()
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert max(served.steps.prefills[mark:]) >= 2, served.steps.prefills[mark:]  # prefilled side by side
 
 
 def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
