@@ -140,6 +140,7 @@ class DecodeLoop:
             if retune is not None:
                 adapter = self.adapter
                 self._decode_alone(job, lambda after: adapter.generate_retune(job, retune, after))
+                self.solo = None
                 return
             strategy = job.choice.strategy
             dec = self.decoders.acquire(strategy)
@@ -152,21 +153,27 @@ class DecodeLoop:
             self.prefilling.append(p)
         except ApiError as exc:
             self._fail(job, None, exc)
+            self.solo = None
             return
         except Exception:  # a bug must not kill the worker: report it to this request only
             self.failures += 1
             log.exception("decoding a request failed")  # the details go to the log, never to the client
             self._fail(job, None, decode_failed())
-            return
-        finally:
             self.solo = None
+            return
+        self.solo = None  # not on a BaseException: the worker's end answers this request too
         if len(self.prefilling) == 1 and not self._rides():  # nothing to ride with: its first chunk now
             self._prefill(p)
 
     def _rides(self) -> bool:
         """Whether prompt chunks run in the batch's next step: a batch is running and its batched
-        forward's target has reusable rows (a chunk's rows come out bit for bit as its lone prefill's)."""
-        return bool(self.batch) and self.decoders.batch_target().rows_reusable
+        forward's target has reusable rows on the first prefill's own kernels (a chunk's rows come
+        out bit for bit as its lone prefill's)."""
+        if not self.batch:
+            return False
+        target = self.decoders.batch_target()
+        first = self.prefilling[0].decoder.target if self.prefilling else target
+        return target.rows_reusable and first.backend == target.backend
 
     def _riders(self) -> list[tuple[Prefilling, Rider]]:
         """The prefills whose next chunks ride the next step: in admission order, the first always,
@@ -204,8 +211,7 @@ class DecodeLoop:
                     return  # more chunks: the batch steps first (carrying the next where it rides)
                 except StopIteration as done:
                     seq = done.value
-            except BaseException:
-                self.prefilling.remove(p)
+            except BaseException:  # its decoder goes back; on the worker's end it stays listed, to be answered
                 self.decoders.release(strategy, dec)
                 raise
             self.prefilling.remove(p)
@@ -214,11 +220,17 @@ class DecodeLoop:
             if after_round(job, seq.out):
                 self._leave(running)
         except ApiError as exc:
+            self._unlist(p)
             self._fail(job, running, exc)
         except Exception:  # a bug must not kill the worker: report it to this request only
             self.failures += 1
             log.exception("decoding a request failed")  # the details go to the log, never to the client
+            self._unlist(p)
             self._fail(job, running, decode_failed())
+
+    def _unlist(self, p: Prefilling) -> None:
+        if p in self.prefilling:
+            self.prefilling.remove(p)
 
     def _step(self) -> None:
         """One round for every running request, the prefills' next chunks riding in its target
