@@ -6,7 +6,8 @@ a model and a layer plan run as one batched forward per depth: ``draft_together`
 plain decoding, ``1 + N`` for a chain, a tree or a lookup copy) in **one** target forward
 (``CausalLM.forward_batch``: ragged rows, a mask per sequence), then accepts per sequence with the
 single-sequence rules and that sequence's generator, reading every result back in one ``tolist``.
-Sequences join (``Decoder.start``: a prefill) and leave between steps.
+Sequences join (``Decoder.start``: a prefill; or ``Decoder.start_steps``, a chunk per round, its chunks
+riding the rounds' target forwards where rows are reusable) and leave between steps.
 
 A sequence alone runs its decoder's own round, exactly what ``Decoder.generate`` runs.
 """
