@@ -1,4 +1,5 @@
-"""The decode loop: prefill, then rounds of draft -> verify (one target forward) -> commit.
+"""The decode loop: prefill (``runtime.sequence``), then rounds of draft -> verify (one target
+forward) -> commit.
 
 With no drafter every round is a single-token target forward, i.e. plain decoding through the
 same code path.
@@ -7,16 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, KeepsRows, Narrows, Stepped, drive
+from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
-from runtime.layout import BatchPart, Layout, PromptChunk
+from runtime.layout import Layout, PromptChunk
 from runtime.prefix_cache import PrefixCache
-from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs, sample
+from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs
+from runtime.sequence import (  # noqa: F401  (the decode loop's public names live on here too)
+    GenerationConfig, GenerationResult, Sequence, check_fits, decode_generator, keep_rows, prefill_steps,
+)
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM
 from runtime.tree import CompiledTree, compile_tree, tree_tables
@@ -24,78 +28,10 @@ from runtime.tree_verify import accept_tree, accept_tree_greedy, read_tree_resul
 from search_spaces.strategy import Strategy
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    # a longer prompt is prefilled in forwards of this many tokens (llama.cpp's n_ubatch is 512):
-    # a server runs its batch's steps between them, so a long prompt never stalls the running requests
-    prefill_chunk: int = 512
-    # rows of earlier sequences that start with the same tokens may be reused, and this one's kept for
-    # later ones, where the decoder has a prefix cache (``Decoder.prefix``; llama-server's cache_prompt)
-    cache_prompt: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RuntimeUserError(f"{name}={value!r} must be a positive integer")
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, limit: int, budget: str = "--max-new-tokens") -> None:
-    """A prompt of ``prompt_len`` tokens plus ``max_new_tokens`` must fit the model context of
-    ``limit`` positions; ``budget`` names the setting to lower (a CLI flag, an API field)."""
-    if prompt_len == 0:
-        raise RuntimeUserError("the prompt is empty; give at least one token of input")
-    if prompt_len + max_new_tokens > limit:
-        raise RuntimeUserError(
-            f"prompt ({prompt_len} tokens) + {budget.lstrip('-')} ({max_new_tokens}) exceeds the "
-            f"model context of {limit} tokens; shorten the prompt or lower {budget}"
-        )
-
-
 RoundHook = Callable[["Decoder", list[int], KVCache, DecodeStats], None]
 # called with every new token so far after the prefill and after each round; True stops decoding
 # there (a stop string seen, a client gone): what a server streams from
 TokensHook = Callable[[list[int]], bool]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # new tokens only (EOS included if produced)
-    stats: DecodeStats
-
-
-@dataclass
-class Sequence:
-    """One prompt's decoding state (``Decoder.start``): its tokens so far, KV cache, random
-    source and stats. Its decoder's drafters follow it: a decoder serves one sequence at a time."""
-
-    prompt: list[int]
-    config: GenerationConfig
-    capacity: int
-    out: list[int] = field(default_factory=list)  # new tokens so far
-    cache: KVCache = None  # type: ignore[assignment]  # set by Decoder.start
-    gen: torch.Generator = None  # type: ignore[assignment]
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def eos(self) -> frozenset[int]:
-        return frozenset(self.config.eos_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        """The token budget is spent or the last token is an EOS."""
-        return len(self.out) >= self.config.max_new_tokens or self.out[-1] in self.config.eos_token_ids
-
-    def result(self) -> GenerationResult:
-        assert len(self.out) <= self.config.max_new_tokens  # a round's draft length is capped by the budget
-        self.stats.wall_s = time.perf_counter() - self.started
-        self.stats.new_tokens = len(self.out)
-        return GenerationResult(self.out, self.stats)
 
 
 @dataclass(frozen=True)
@@ -177,7 +113,7 @@ class Decoder:
     def check_fits(self, prompt_len: int, config: GenerationConfig) -> None:
         check_fits(prompt_len, config.max_new_tokens, self.target.dims.max_positions)
 
-    def start(self, prompt: list[int], config: GenerationConfig) -> "Sequence":
+    def start(self, prompt: list[int], config: GenerationConfig) -> Sequence:
         """Prefill ``prompt`` (its first new token) and start every drafter on it: the state
         :meth:`generate` then advances round by round (or a batch, ``runtime.batching``)."""
         steps = self.start_steps(prompt, config)
@@ -189,7 +125,7 @@ class Decoder:
 
     def start_steps(
         self, prompt: list[int], config: GenerationConfig
-    ) -> Generator[PromptChunk, tuple[torch.Tensor, float] | None, "Sequence"]:
+    ) -> Generator[PromptChunk, tuple[torch.Tensor, float] | None, Sequence]:
         """:meth:`start` a chunk at a time: the prompt is prefilled in forwards of at most
         ``config.prefill_chunk`` tokens. Before each chunk this yields it (``PromptChunk``: its rows
         on the sequence's cache, causal, logits for its last row); the caller sends back None (the
@@ -200,62 +136,21 @@ class Decoder:
         sequence. The rows a prefix cache (``prefix``) holds are not prefilled. A prompt that does
         not fit: an error."""
         self.check_fits(len(prompt), config)
-        seq = Sequence(prompt, config, capacity=len(prompt) + config.max_new_tokens + self.verify_width + 2)
-        seq.gen = decode_generator(self.target.device, config.seed)
-        seq.cache = self._sequence_cache(seq.capacity)
-        chunk, spent = config.prefill_chunk, 0.0
+        capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
         prefix = self.prefix if config.cache_prompt else None
-        if prefix is not None:  # the last prompt token always runs: its logits give the first new token
-            started = time.perf_counter()
-            seq.stats.prefix_rows = prefix.reuse(self.target, prompt, seq.cache, chunk, len(prompt) - 1)
-            spent += time.perf_counter() - started
-        for at in range(seq.stats.prefix_rows, len(prompt), chunk):
-            ids = torch.tensor(prompt[at : at + chunk], device=self.target.device)
-            ran = yield PromptChunk(BatchPart(ids, seq.cache, logits_for=slice(-1, None)), at + len(ids), len(prompt))
-            started = time.perf_counter()
-            with torch.inference_mode():  # never held across a yield: the caller's code runs there
-                if ran is None:
-                    logits = self.target(ids, seq.cache, Layout.chunk(), logits_for=slice(-1, None))
-                else:
-                    logits, shared = ran
-                    spent += shared
-                if at + chunk >= len(prompt):
-                    seq.out.append(_pick(logits[0], config.sampling, seq.gen))
-                    if prefix is not None:  # shared by later prompts (and batch-mates) from now on
-                        prefix.offer(self.target, prompt, seq.cache, len(prompt), chunk)
-                    for drafter in self._following():
-                        drafter.begin(prompt + seq.out, seq.capacity, seq.cache)
-                        if prefix is not None and isinstance(drafter, KeepsRows):
-                            drafter.reuse_rows(prefix, chunk)
-            spent += time.perf_counter() - started
-        seq.stats.prefill_s = spent  # the prefill's own forwards (a server's steps between chunks are not its cost)
-        seq.stats.target_forwards = 1  # the prefill counts as one, however many chunks it took
-        return seq
+        return (yield from prefill_steps(self.target, self._following(), prefix, prompt, config, capacity, self))
 
-    def _sequence_cache(self, capacity: int) -> KVCache:
-        """A sequence's target cache: the target's slot of its ``SlotCache`` where it has one and the
-        sequence fits (``runtime.slots``: batched steps then run as one static-shape forward), else
-        its own."""
-        slots = self.target.slots
-        cache = slots.take(self, capacity) if slots is not None else None
-        return cache if cache is not None else self.target.new_cache(capacity, reuse=True)
-
-    def remember(self, seq: "Sequence") -> None:
+    def remember(self, seq: Sequence) -> None:
         """Keep ``seq``'s committed rows, and its drafting models', in the prefix cache (where it has
         one and ``cache_prompt`` is on): ``generate`` at its end, a server as a request leaves."""
-        if self.prefix is None or not seq.config.cache_prompt:
-            return
-        tokens = seq.prompt + seq.out
-        self.prefix.offer(self.target, tokens, seq.cache, seq.cache.length, seq.config.prefill_chunk)
-        for drafter in self._following():
-            if isinstance(drafter, KeepsRows):
-                drafter.offer_rows(self.prefix, seq.config.prefill_chunk)
+        if self.prefix is not None and seq.config.cache_prompt:
+            keep_rows(self.target, self._following(), self.prefix, seq)
 
     def catch_up_rows(self) -> int:
         """Tokens the drafting model has yet to run before it drafts (its catch-up; 0 without one)."""
         return len(self.drafter.pending) if isinstance(self.drafter, CatchesUp) else 0
 
-    def draft_prefill(self, seq: "Sequence") -> int:
+    def draft_prefill(self, seq: Sequence) -> int:
         """The drafting model's own prefill: the prompt through the drafter of the first round (its
         catch-up, which that round would otherwise run), timed as prefill, once per request, after
         the first token is out. Every way a sequence is decoded calls it after ``start`` (a
@@ -423,12 +318,6 @@ class Decoder:
 
 
 
-def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(logits_to_probs(logits.float(), params), gen))
-
-
 def _no_draft() -> Draft:
     return Draft(torch.empty(0, dtype=torch.long), None)  # plain decoding: verify `cur` alone
 
@@ -451,7 +340,3 @@ def _first_eos(tokens: list[int], eos: frozenset[int]) -> int:
     return len(tokens)
 
 
-def decode_generator(device: torch.device | str, seed: int) -> torch.Generator:
-    """The decode loop's random source, on the device its draws run on (CUDA sampling with a CPU
-    generator fails). On the CPU, the same seed gives the same stream as ``torch.Generator()``."""
-    return torch.Generator(device=device).manual_seed(seed)

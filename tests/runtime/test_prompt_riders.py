@@ -14,7 +14,7 @@ from runtime.batching import Member, Rider, batch_round
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.linear import BACKEND_AVAILABLE
 from runtime.sampling import SamplingParams
-from tests.runtime.test_batching import PROMPTS, _decoders
+from tests.runtime.batch_cases import PROMPTS, decoders as _decoders
 
 # the serving defaults whose rows are reusable: gguf (auto on the CPU) and oneDNN's float32
 REUSABLE = [b for b in ("gguf", "onednn") if BACKEND_AVAILABLE[b]()]
