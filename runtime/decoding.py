@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, Narrows, Stepped, drive
+from runtime.draft import CatchesUp, Draft, Drafter, DraftSteps, KeepsRows, Narrows, Stepped, drive
 from runtime.errors import RuntimeUserError
 from runtime.kv_cache import KVCache
 from runtime.layout import Layout, PromptChunk
@@ -145,6 +145,13 @@ class Decoder:
         one and ``cache_prompt`` is on): ``generate`` at its end, a server as a request leaves."""
         if self.prefix is not None and seq.config.cache_prompt:
             keep_rows(self.target, self._following(), self.prefix, seq)
+
+    def forget_rows(self) -> None:
+        """Its drafting models keep none of their rows for the next sequence: it starts from the prefix
+        cache alone (a server's cache reset)."""
+        for drafter in self._following():
+            if isinstance(drafter, KeepsRows):
+                drafter.forget_rows()
 
     def catch_up_rows(self) -> int:
         """Tokens the drafting model has yet to run before it drafts (its catch-up; 0 without one)."""

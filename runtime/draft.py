@@ -104,6 +104,10 @@ class KeepsRows(Protocol):
 
     def offer_rows(self, prefix: "PrefixCache", chunk: int) -> None: ...
 
+    def forget_rows(self) -> None:
+        """Its next sequence keeps none of the rows it holds now (a server's cache reset)."""
+        ...
+
 
 @runtime_checkable
 class Narrows(Protocol):

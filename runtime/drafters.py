@@ -161,6 +161,10 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
             n = min(len(self.exact_rows), self.cache.length)
             prefix.offer(self.model, self.exact_rows, self.cache, n, chunk)
 
+    def forget_rows(self) -> None:
+        """The next sequence starts from no kept rows (``begin`` keeps none of this one's)."""
+        self.exact_rows.clear()
+
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         """Draft up to depth ``k`` (the decode loop caps it near the token budget)."""
         return drive(self.propose_steps(k, params, generator))

@@ -187,8 +187,8 @@ def multi_turn_stream(answerer: Answerer, cache_dir: Path | str, questions: int 
         first, second = question.turns
         if first_turns:
             opening = Prompt(id=f"mt-bench/{question.qid}/turn-1", messages=(("user", first),))
-            requests.append(StreamRequest(len(requests), question.category, opening))
+            requests.append(StreamRequest(len(requests), question.category, opening, f"mt-bench/{question.qid}"))
         messages = (("user", first), ("assistant", answers[question.qid]), ("user", second))
         prompt = Prompt(id=f"mt-bench/{question.qid}/turn-2", messages=messages)
-        requests.append(StreamRequest(len(requests), question.category, prompt))
+        requests.append(StreamRequest(len(requests), question.category, prompt, f"mt-bench/{question.qid}"))
     return requests

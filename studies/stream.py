@@ -8,7 +8,9 @@ Each task's prompts are taken in order from ``offset`` on, never twice: start pa
 study tuned on to replay traffic it has not seen.
 
 A stream file is JSONL, one request a line: ``{"category": ..., "messages": [[role, content], ...]}``
-or ``{"category": ..., "prompt": text}`` (asked as one user turn), with an optional ``id``.
+or ``{"category": ..., "prompt": text}`` (asked as one user turn), with an optional ``id`` and an
+optional ``conversation`` (lines of one conversation are sent in file order, each after the last
+one's answer).
 """
 from __future__ import annotations
 
@@ -126,7 +128,8 @@ def stream_row(path: Path, lineno: int, row: Row, index: int) -> StreamRequest:
         prompt = Prompt(id=pid, messages=(("user", text),), text=text)
     else:
         raise TaskError(f"{path}:{lineno}: row has neither 'messages' nor 'prompt'; give each line one of them")
-    return StreamRequest(index, category, prompt)
+    conversation = text_field(path, lineno, row, "conversation") if "conversation" in row else None
+    return StreamRequest(index, category, prompt, conversation)
 
 
 def read_stream(path: Path | str) -> list[StreamRequest]:
@@ -143,6 +146,8 @@ def stream_line(request: StreamRequest) -> str:
     assert request.prompt.messages is not None  # guaranteed by StreamRequest.__post_init__
     row = {"id": request.prompt.id, "category": request.category,
            "messages": [list(turn) for turn in request.prompt.messages]}
+    if request.conversation is not None:
+        row["conversation"] = request.conversation
     return json.dumps(row, ensure_ascii=False)
 
 

@@ -9,11 +9,14 @@ from studies.prompt import Prompt
 
 @dataclass(frozen=True)
 class StreamRequest:
-    """One request of a stream: its position, its category (the task it came from) and its prompt."""
+    """One request of a stream: its position, its category (the task it came from) and its prompt.
+    Requests of one ``conversation`` (None: a request on its own) are sent in stream order, each after
+    the last one's answer, as one user would send them (a second turn after its first)."""
 
     index: int
     category: str
     prompt: Prompt
+    conversation: str | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:

@@ -21,24 +21,28 @@ stands out of the rounds' noise.
 
 Peers (``peers``: another engine's server, e.g. each llama-server configuration of
 :mod:`autotune.measure.llama_server`) speak no ``autotune`` extension: each is started (afresh for
-each concurrency), measured as one mode (``PEER_MODE``, plain OpenAI requests) and stopped, after
-the servers, one at a time. With
+each pass), measured as one mode (``PEER_MODE``, plain OpenAI requests) and stopped, after the
+servers, one at a time. No pass finds prompts an earlier one left cached (``load_test``). With
 peers measured, :func:`compare` also sets the mode against the best peer at each concurrency; their
 rounds did not run back to back, so that interval is Welch's on the rounds' logarithms (unpaired).
 """
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 from autotune.measure.replay import ReplayClient, ReplaySettings
 from studies.stream import StreamRequest
 
+log = logging.getLogger("autotune.loadtest")
 PEER_MODE = "peer"  # the one mode a peer is measured in (no mode of ours is spelled so)
 STEP_METRICS = ("autotune:batch_size_sum", "autotune:batch_size_count", "autotune:batch_rows_sum")
 DRAFT_METRICS = ("autotune:step_draft_tokens_sum", "autotune:step_draft_tokens_count")  # summed over routes
@@ -187,7 +191,7 @@ class _Sample:
 def _send(client: ReplayClient, model: str, requests: Sequence[StreamRequest], mode: str, concurrency: int) -> _Sample:
     """Send every request in ``mode`` from ``concurrency`` closed-loop clients."""
     before = step_counters(client)
-    pending = list(requests)
+    pending = conversations(requests)  # a client takes a whole conversation: its turns in order
     lock = threading.Lock()
     done: list[tuple[float, float, int]] = []  # (latency, ttft, tokens)
     failed: list[BaseException] = []
@@ -197,18 +201,19 @@ def _send(client: ReplayClient, model: str, requests: Sequence[StreamRequest], m
             with lock:
                 if not pending or failed:
                     return
-                request = pending.pop(0)
-            sent = time.perf_counter()
-            try:
-                record = client.chat(model, request, mode)
-            except BaseException as exc:  # reported once every client stopped
+                unit = pending.pop(0)
+            for request in unit:
+                sent = time.perf_counter()
+                try:
+                    record = client.chat(model, request, mode)
+                except BaseException as exc:  # reported once every client stopped
+                    with lock:
+                        failed.append(exc)
+                    return
+                latency = time.perf_counter() - sent
+                # the server's ttft counts from the request's arrival, as the client's latency does
                 with lock:
-                    failed.append(exc)
-                return
-            latency = time.perf_counter() - sent
-            # the server's ttft counts from the request's arrival, as the client's latency does
-            with lock:
-                done.append((latency, record.ttft_s, record.completion_tokens))
+                    done.append((latency, record.ttft_s, record.completion_tokens))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(concurrency)]
@@ -266,17 +271,45 @@ def rotated(modes: Sequence[str], round_: int) -> list[str]:
     return list(modes[k:]) + list(modes[:k])
 
 
+def conversations(requests: Sequence[StreamRequest]) -> list[list[StreamRequest]]:
+    """``requests`` as units one client sends in order: each conversation's requests together (in
+    stream order, at its first request's place), every other request alone."""
+    units: list[list[StreamRequest]] = []
+    by_name: dict[str, list[StreamRequest]] = {}
+    for r in requests:
+        if r.conversation is None:
+            units.append([r])
+        elif r.conversation in by_name:
+            by_name[r.conversation].append(r)
+        else:
+            units.append(by_name.setdefault(r.conversation, [r]))
+    return units
+
+
 def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:
     """``requests`` one category at a time in turn (categories in order of first appearance, each
-    category's requests in stream order): every prefix is as mixed as the stream allows."""
-    by_category: dict[str, list[StreamRequest]] = {}
-    for r in requests:
-        by_category.setdefault(r.category, []).append(r)
+    category's requests in stream order; a conversation's requests stay together): every prefix is
+    as mixed as the stream allows."""
+    by_category: dict[str, list[list[StreamRequest]]] = {}
+    for unit in conversations(requests):
+        by_category.setdefault(unit[0].category, []).append(unit)
     queues = list(by_category.values())
     out: list[StreamRequest] = []
     for i in range(max((len(q) for q in queues), default=0)):
-        out.extend(q[i] for q in queues if i < len(q))
+        out.extend(r for q in queues if i < len(q) for r in q[i])
     return out
+
+
+def first_requests(requests: Sequence[StreamRequest], n: int) -> list[StreamRequest]:
+    """The first ``n`` of ``requests``, and the rest of the conversation the ``n``-th one is part of."""
+    taken = list(requests[:n])
+    if taken and taken[-1].conversation is not None:
+        last = taken[-1].conversation
+        for r in requests[n:]:
+            if r.conversation != last:
+                break
+            taken.append(r)
+    return taken
 
 
 def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
@@ -284,22 +317,30 @@ def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
     return max(per_client * concurrency, min_requests)
 
 
-def _measure_server(client: Any, label: str, requests: Sequence[StreamRequest], modes: Sequence[str],
-                    levels: Sequence[int], warm: Sequence[StreamRequest], per_client: int, min_requests: int,
-                    rounds: int, progress: Callable[[LoadPoint], None] | None) -> list[LoadPoint]:
-    """Every (mode, concurrency) point of one running server (``client``: a ``ReplayClient`` or a
-    ``PlainClient``)."""
-    model = client.model_name()
+def _warm(client: Any, model: str, warm: Sequence[StreamRequest], modes: Sequence[str]) -> None:
+    """``warm``'s requests in every mode from one client, not measured."""
     for mode in modes:
         if warm:
             _send(client, model, warm, mode, 1)
+
+
+Passes = Callable[[], AbstractContextManager[tuple[Any, str]]]
+"""Opens one pass of a point's requests: -> (client, model name), on a server holding nothing of an
+earlier pass (ours: its caches reset; a peer: a fresh process)."""
+
+
+def _measure_server(passes: Passes, label: str, requests: Sequence[StreamRequest], modes: Sequence[str],
+                    levels: Sequence[int], per_client: int, min_requests: int, rounds: int,
+                    progress: Callable[[LoadPoint], None] | None) -> list[LoadPoint]:
+    """Every (mode, concurrency) point of one server, each pass opened by ``passes``."""
     points = []
     for level in levels:
-        batch = requests[: point_size(level, per_client, min_requests)]
+        batch = first_requests(requests, point_size(level, per_client, min_requests))
         samples: dict[str, list[_Sample]] = {mode: [] for mode in modes}
         for r in range(rounds):
             for mode in rotated(modes, r):
-                samples[mode].append(_send(client, model, batch, mode, level))
+                with passes() as (client, model):
+                    samples[mode].append(_send(client, model, batch, mode, level))
         for mode in modes:
             point = _point(samples[mode], label, mode, level)
             points.append(point)
@@ -308,13 +349,34 @@ def _measure_server(client: Any, label: str, requests: Sequence[StreamRequest], 
     return points
 
 
+@contextmanager
+def _reset_pass(client: ReplayClient, model: str, label: str) -> Iterator[tuple[Any, str]]:
+    """A pass on our running server after its prefix cache is reset (``POST /reset_prefix_cache``)."""
+    if not client.reset_cache():
+        log.warning("%s has no /reset_prefix_cache: a pass may find prompts an earlier pass left cached", label)
+    yield client, model
+
+
+@contextmanager
+def _fresh_pass(peer: Any, max_tokens: int, timeout_s: float,
+                warm: Sequence[StreamRequest]) -> Iterator[tuple[Any, str]]:
+    """A pass on a fresh process of ``peer``, warmed up first."""
+    from autotune.measure.openai_client import PlainClient
+
+    with peer.start() as url, PlainClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s)) \
+            as client:
+        model = client.model_name()
+        _warm(client, model, warm, (PEER_MODE,))
+        yield client, model
+
+
 def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamRequest], modes: Sequence[str],
               levels: Sequence[int], max_tokens: int, timeout_s: float,
               progress: Callable[[LoadPoint], None] | None = None, per_client: int = 2,
               min_requests: int = 1, rounds: int = 1, warmup: int = 0, peers: Sequence[Any] = ()) -> list[LoadPoint]:
     """Every (server, mode, concurrency) point (``servers``: (label, url) pairs); a point sends
     ``per_client`` x its concurrency requests, and at least ``min_requests`` (the first ones of
-    ``interleaved(requests)``).
+    ``interleaved(requests)``, and the rest of the last one's conversation).
 
     Modes are measured side by side: at each concurrency, ``rounds`` passes of every mode in turn
     (``rotated``: each round starts one mode later), and a point pools its mode's passes. Before a
@@ -322,30 +384,30 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
     past the largest point's requests where the stream has them): a fresh server's first requests
     run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run).
 
-    Then each of ``peers`` (``label`` and ``start()``, a context manager that runs the server and
-    yields its URL, e.g. ``llama_server.PeerServer``), one at a time: started afresh for each
-    concurrency (with its warm-up), measured the same way in the one mode ``PEER_MODE`` with plain
-    OpenAI requests, stopped before the next starts. A fresh process per level because a peer may
-    remember earlier requests (llama-server: a slot's prompt cache, ngram-mod's n-gram pool), and the
-    levels repeat the stream's first requests; its rounds still repeat them (``round_tokens_per_s``
-    shows whether later rounds ran faster)."""
-    from autotune.measure.openai_client import PlainClient
-
+    No pass finds what an earlier pass left: the levels, rounds and modes repeat the same requests,
+    and a server that kept their rows would skip their prefill. Our servers' prefix caches are reset
+    before each pass (``POST /reset_prefix_cache``; within a pass, a request reuses what the pass's
+    earlier ones left, as users' traffic does). Then each of ``peers`` (``label`` and ``start()``, a
+    context manager that runs the server and yields its URL, e.g. ``llama_server.PeerServer``), one
+    at a time: a fresh process for each pass (llama-server keeps prompts in its slots and its RAM
+    cache, and ngram-mod its n-gram pool), warmed up, measured in the one mode ``PEER_MODE`` with
+    plain OpenAI requests, stopped before the next starts."""
     requests = interleaved(requests)
-    needed = max((point_size(level, per_client, min_requests) for level in levels), default=0)
+    needed = max((len(first_requests(requests, point_size(level, per_client, min_requests))) for level in levels),
+                 default=0)
     warm = (requests[needed:] or requests)[:warmup]
-    shared = dict(requests=requests, levels=levels, warm=warm, per_client=per_client, min_requests=min_requests,
+    shared = dict(requests=requests, levels=levels, per_client=per_client, min_requests=min_requests,
                   rounds=rounds, progress=progress)
     points = []
     for label, url in servers:
         with ReplayClient(ReplaySettings(url=url, max_tokens=max_tokens, timeout_s=timeout_s, cache_prompt=True)) \
-                as client:  # served as users send: a later request reuses what an earlier one left
-            points += _measure_server(client, label, modes=modes, **shared)
+                as client:  # served as users send: a later request reuses what an earlier one of its pass left
+            model = client.model_name()
+            _warm(client, model, warm, modes)
+            points += _measure_server(partial(_reset_pass, client, model, label), label, modes=modes, **shared)
     for peer in peers:
-        for level in levels:  # a fresh process per level: none drafts from an earlier level's answers
-            with peer.start() as url, PlainClient(ReplaySettings(url=url, max_tokens=max_tokens,
-                                                                 timeout_s=timeout_s)) as client:
-                points += _measure_server(client, peer.label, modes=(PEER_MODE,), **{**shared, "levels": (level,)})
+        points += _measure_server(partial(_fresh_pass, peer, max_tokens, timeout_s, warm), peer.label,
+                                  modes=(PEER_MODE,), **shared)
     return points
 
 

@@ -214,6 +214,22 @@ class ReplayClient:
         tasks = health.get("tasks") if isinstance(health, dict) else None
         return [str(t) for t in tasks] if isinstance(tasks, list) else None
 
+    def reset_cache(self) -> bool:
+        """Ask the server to keep no K/V rows of earlier requests (``POST /reset_prefix_cache``) ->
+        whether it did (False: a server without that endpoint)."""
+        httpx = _httpx()
+        try:
+            response = self.http.post("/reset_prefix_cache")
+        except httpx.HTTPError as exc:
+            raise RemoteError(f"cannot reach autotune serve at {self.settings.url} ({type(exc).__name__}); "
+                              "is the server still up?") from None
+        if response.status_code in (404, 405):
+            return False
+        if response.status_code != 200:
+            raise RemoteError(f"POST {self.settings.url}/reset_prefix_cache answered HTTP {response.status_code}: "
+                              f"{_error_message(response)}")
+        return True
+
     def chat(self, model: str, request: StreamRequest, mode: str) -> ReplayRecord:
         httpx = _httpx()
         assert request.prompt.messages is not None  # guaranteed by StreamRequest

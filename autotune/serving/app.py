@@ -236,6 +236,15 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         server.metrics.verify_widths.set(len(server.worker.decoders.widths))
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Keep no K/V rows of the requests served so far (vLLM's endpoint of this name): the prefix
+        cache is emptied and each draft model forgets its kept rows before its next request; running
+        requests keep their own. A load test resets between passes, so no pass finds its prompts cached
+        by an earlier one."""
+        freed = server.worker.decoders.reset_rows()
+        return {"status": "ok", "prefix_cache": server.worker.decoders.prefix is not None, "freed_bytes": freed}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         prompt = Prompt(id="request", text=req.prompt)

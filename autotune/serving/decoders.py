@@ -40,6 +40,8 @@ class DecoderCache:
         self.slots: SlotCache | None = None
         # K/V rows kept across requests, every decoder's prompts read and its finished sequences fill (None: off)
         self.prefix = prefix
+        self._resets = 0  # cache resets so far (``reset_rows``); each decoder forgets its rows once per reset
+        self._forgot: dict[int, int] = {}  # id of a decoder -> the resets it has caught up with
 
     def __len__(self) -> int:
         """Decoders kept (one per strategy, and spares for batch-mates of the same strategy)."""
@@ -124,6 +126,9 @@ class DecoderCache:
                 dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy),
                                     verify_width=width, standby=standby)
         self._in_use.add(id(dec))
+        if self._forgot.get(id(dec), 0) != self._resets:
+            dec.forget_rows()
+            self._forgot[id(dec)] = self._resets
         dec.target.slots = self.slots
         dec.prefix = self.prefix
         return dec
@@ -141,6 +146,18 @@ class DecoderCache:
                 spare.append(dec)
         for gone in [s for s in self._spare if s not in self.decoders]:  # its primary was evicted
             del self._spare[gone]
+
+    def reset_rows(self) -> int:
+        """Keep no K/V rows of the requests served so far: the prefix cache is emptied now and each
+        decoder forgets its drafting models' kept rows before its next request (safe from any thread:
+        the worker reads the reset count as it acquires a decoder; a running request keeps its own
+        rows) -> the bytes the prefix cache freed."""
+        freed = 0
+        if self.prefix is not None:
+            freed = self.prefix.stats.used_bytes
+            self.prefix.clear()
+        self._resets += 1
+        return freed
 
     def batch_target(self) -> CausalLM:
         """The target wrapper batched steps run: on CPU in float32, the packed copy at the verify

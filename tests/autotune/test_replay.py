@@ -48,6 +48,83 @@ def test_a_load_point_takes_the_stream_one_category_at_a_time() -> None:
     assert sorted(r.index for r in got) == list(range(9)) and interleaved([]) == []
 
 
+def _turns(conversation: str, category: str, start: int) -> list[StreamRequest]:
+    return [StreamRequest(start + t, category, Prompt(id=f"{conversation}/turn-{t + 1}", messages=(("user", "q"),)),
+                          conversation) for t in range(2)]
+
+
+def test_a_conversation_stays_together_and_goes_to_one_client_in_order() -> None:
+    """Multi-turn traffic: a conversation's turns are one unit wherever the load test slices or
+    interleaves the stream, and one client sends them in order (its second turn after its first's
+    answer), so the second turn can find the first one's rows cached."""
+    from autotune.measure.loadtest import conversations, first_requests, interleaved
+
+    stream = _turns("x", "a", 0) + [_request(2, "a")] + _turns("y", "b", 3) + _turns("z", "a", 5)
+    assert [[r.index for r in u] for u in conversations(stream)] == [[0, 1], [2], [3, 4], [5, 6]]
+    got = interleaved(stream)
+    assert [r.index for r in got] == [0, 1, 3, 4, 2, 5, 6]
+    assert [r.index for r in first_requests(got, 1)] == [0, 1]  # the rest of the conversation comes along
+    assert [r.index for r in first_requests(got, 3)] == [0, 1, 3, 4]
+    assert [r.index for r in first_requests(got, 5)] == [0, 1, 3, 4, 2]
+    assert first_requests([], 3) == []
+
+
+class _PassClient:
+    """A server for ``load_test``'s passes: records each chat as (pass, request index, thread) and
+    whether a cache reset came before each pass."""
+
+    def __init__(self, settings: ReplaySettings, transport: Any = None) -> None:
+        self.passes = 0
+        self.sent: list[tuple[int, int, int]] = []
+        self.http = self
+        _PassClient.last = self
+
+    def __enter__(self) -> "_PassClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def get(self, path: str) -> Any:  # /metrics: a server without batching counters
+        return type("R", (), {"status_code": 404})()
+
+    def model_name(self) -> str:
+        return "m"
+
+    def reset_cache(self) -> bool:
+        self.passes += 1
+        return True
+
+    def chat(self, model: str, request: StreamRequest, mode: str) -> Any:
+        self.sent.append((self.passes, request.index, threading.get_ident()))
+        return type("Rec", (), {"ttft_s": 0.01, "completion_tokens": 3})()
+
+
+def test_each_load_pass_starts_on_a_reset_cache_and_sends_conversations_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Levels, rounds and modes repeat the same requests: each pass starts after a cache reset
+    (no pass finds what an earlier one left), and a conversation's turns go in order from one client."""
+    import autotune.measure.loadtest as lt
+
+    monkeypatch.setattr(lt, "ReplayClient", _PassClient)
+    stream = _turns("x", "a", 0) + _turns("y", "b", 2) + [_request(4, "c"), _request(5, "c")]
+    points = lt.load_test([("s", "http://x")], stream, ["plain", "auto"], [1, 2], max_tokens=3, timeout_s=5,
+                          per_client=1, min_requests=3, rounds=2, warmup=1)
+    client = _PassClient.last
+    assert client.passes == 2 * 2 * 2  # levels x rounds x modes
+    warm = [s for s in client.sent if s[0] == 0]
+    assert [i for _, i, _ in warm] == [4, 4]  # a warm-up request per mode, before any pass, past every point's
+    for n in range(1, client.passes + 1):
+        sent = [(i, t) for k, i, t in client.sent if k == n]
+        assert sorted(i for i, _ in sent) == [0, 1, 2, 3]  # two conversations whole (a point of 3 requests)
+        by_index = dict(sent)
+        assert by_index[0] == by_index[1] and by_index[2] == by_index[3]  # one client per conversation
+        order = [i for i, _ in sent]
+        assert order.index(0) < order.index(1) and order.index(2) < order.index(3)
+    assert [(p.mode, p.concurrency, p.requests, p.rounds) for p in points] == [
+        ("plain", 1, 8, 2), ("auto", 1, 8, 2), ("plain", 2, 8, 2), ("auto", 2, 8, 2)]  # 4 requests a pass
+
+
 def test_a_load_point_sends_at_least_its_minimum() -> None:
     from autotune.measure.loadtest import point_size
 

@@ -2,7 +2,7 @@
 (real SmolLM2, slow tier): a chat's second turn reuses the rows of its first turn (prompt and answer),
 every response is token for token what the server answers without the cache, in three modes, and a
 cache that serves a stale block is caught. The figures show up in the usage object, ``/health``
-and ``/metrics``."""
+and ``/metrics``; ``POST /reset_prefix_cache`` empties the cache."""
 from __future__ import annotations
 
 import httpx
@@ -61,6 +61,14 @@ def _conversations(live: LiveServer, modes: tuple[str, ...] = MODES, **extra) ->
     return out
 
 
+def _first_turn_cached(live: LiveServer) -> int:
+    """The first conversation's first turn sent again: its prompt tokens that came from the cache."""
+    response = live.client().chat.completions.create(
+        model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=[{"role": "user", "content": FIRST[0]}],
+        extra_body={"autotune": {"strategy": "default", "return_token_ids": True}})
+    return response.model_extra["autotune"]["prefix_tokens"]
+
+
 @pytest.fixture(scope="module")
 def without_cache(pool, store):
     server, storage = _server(pool, store, 0.0)
@@ -79,7 +87,13 @@ def test_every_response_is_the_same_with_the_cache_and_turn_two_reuses_turn_one(
         health = httpx.get(f"{live.url}/health").json()
         metrics = httpx.get(f"{live.url}/metrics").text
         opted_out = _conversations(live, ("plain",), cache_prompt=False)
+        again = _first_turn_cached(live)  # its rows were kept by the conversations
+        reset = httpx.post(f"{live.url}/reset_prefix_cache").json()
+        emptied = httpx.get(f"{live.url}/health").json()["prefix_cache"]
+        after = _first_turn_cached(live)  # a load test's next pass: nothing of the earlier ones
     storage.close()
+    assert again > 0 and after == 0
+    assert reset["prefix_cache"] and reset["freed_bytes"] > 0 and emptied["used_bytes"] == 0 == emptied["blocks"]
     assert [ids for ids, _ in got] == [ids for ids, _ in without_cache]  # token for token, every mode
     assert all(n > 0 for _, n in got) and all(n == 0 for _, n in without_cache)
     assert all(n == 0 for _, n in opted_out) and [i for i, _ in opted_out] == [i for i, _ in without_cache[:len(FIRST)]]

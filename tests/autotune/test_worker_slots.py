@@ -55,6 +55,26 @@ def test_an_eager_or_unbatched_worker_keeps_its_own_caches():
     assert use_slots(_worker(compile=True, max_batch=1), 64) == 0
 
 
+def test_a_reset_empties_the_prefix_cache_and_each_decoder_forgets_its_rows_once_before_its_next_request():
+    target = LoadedModel("tiny", "tiny", "0", tiny_model("llama", 3, layers=2), None)
+    worker = DecodeWorker(ModelPool(), target, None,
+                          WorkerConfig(max_queue=4, max_batch=2, max_batch_rows=16, prefix_cache_bytes=2**24))
+    decoders = worker.decoders
+    dec = decoders.acquire(PLAIN)
+    forgot: list[int] = []
+    dec.forget_rows = lambda: forgot.append(1)
+    dec.generate(list(range(1, 40)), GenerationConfig(max_new_tokens=4))  # its rows go to the prefix cache
+    decoders.release(PLAIN, dec)
+    assert decoders.prefix.stats.used_bytes > 0 and not forgot
+    assert decoders.reset_rows() > 0 and decoders.prefix.stats.used_bytes == 0 == decoders.prefix.stats.blocks
+    for _ in range(2):  # once per reset, as it is next acquired
+        assert decoders.acquire(PLAIN) is dec and forgot == [1]
+        decoders.release(PLAIN, dec)
+    assert decoders.reset_rows() == 0
+    decoders.acquire(PLAIN)
+    assert forgot == [1, 1]
+
+
 def test_a_request_runs_its_drafting_model_over_the_prompt_only_before_it_drafts():
     """The draft model's prompt catch-up waits for the first step the load-aware choice lets the
     request draft in (a loaded batch that never does never pays for it), and runs once; its price

@@ -166,3 +166,23 @@ def test_a_prompt_that_opts_out_neither_reuses_nor_leaves_rows() -> None:
     dec.generate(prompt, GenerationConfig(max_new_tokens=8, prefill_chunk=16))
     assert dec.prefix.stats.blocks > 0
     assert dec.generate(prompt, off).stats.prefix_rows == 0
+
+
+def test_a_decoder_that_forgets_its_rows_runs_its_draft_over_the_whole_prompt_and_decodes_the_same() -> None:
+    """``Decoder.forget_rows`` (a server's cache reset): the draft model keeps none of the last
+    sequence's rows, so its catch-up covers the whole prompt again; the tokens do not change."""
+    dec = _decoder(_target("dense"), "chain")
+    cfg = _config(0.0)
+    first = _prompt(70, seed=1)
+    second = first + dec.generate(first, cfg).tokens + _prompt(9, seed=3)
+
+    def catch_up() -> int:
+        return dec.draft_prefill(dec.start(second, cfg))
+
+    kept = catch_up()  # the draft model kept the first sequence's rows
+    dec.forget_rows()
+    fresh = catch_up()
+    assert kept <= len(second) - len(first) and fresh >= len(second) - 1  # at least the first prompt kept, then none
+    remembered = dec.generate(second, cfg).tokens
+    dec.forget_rows()
+    assert dec.generate(second, cfg).tokens == remembered

@@ -38,6 +38,8 @@ def test_each_conversation_sends_its_first_turn_then_its_second(tmp_path: Path) 
     assert [r.prompt.id.rsplit("/", 1)[1] for r in stream] == ["turn-1", "turn-2"] * 3
     for opening, follow in zip(stream[::2], stream[1::2]):
         assert opening.prompt.messages == follow.prompt.messages[:1] and opening.category == follow.category
+        assert opening.conversation == follow.conversation  # one client sends both, the second after the first
+    assert len({r.conversation for r in stream}) == 3 and None not in {r.conversation for r in stream}
     assert [r.index for r in stream] == list(range(6))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,9 @@ def test_round_trip(tmp_path: Path) -> None:
     assert load_stream(str(path)) == back
     row = json.loads(path.read_text().splitlines()[0])
     assert set(row) == {"id", "category", "messages"} and row["messages"][0][0] == "user"
+    talk = [replace(r, conversation="c1") for r in stream[:2]] + stream[2:]  # a conversation's turns round-trip
+    back = read_stream(write_stream(talk, tmp_path / "talk.jsonl"))
+    assert [r.conversation for r in back] == ["c1", "c1"] + [None] * (len(stream) - 2)
 
 
 def test_prompt_rows_and_ids(tmp_path: Path) -> None:
@@ -119,6 +123,7 @@ def test_prompt_rows_and_ids(tmp_path: Path) -> None:
         ('{"category": "c", "messages": [["user"]]}', "'messages' must be a non-empty list of \\[role, content\\]"),
         ('{"category": "c", "messages": []}', "'messages' must be a non-empty list"),
         ('{"category": "c", "prompt": ""}', "field 'prompt' is missing or not a non-empty string"),
+        ('{"category": "c", "prompt": "p", "conversation": 3}', "field 'conversation' is missing or not a non-empty"),
         ('[1, 2]', "expected a JSON object"),
         ('{"category": ', "malformed JSON"),
     ],
