@@ -202,6 +202,7 @@ def test_registry_names_its_files():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a whole study through the CLI (about 50 s); the report's plots are tested above
 def test_study_cli_plot_flag(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     out = tmp_path / "plots"

@@ -89,7 +89,8 @@ def test_models_and_health(live):
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("stream", [False, True])
+# heavy: the streamed twin (about 40 s); streamed responses stay in the default run (the tests below stream too)
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_greedy_equals_generate_in_every_mode_and_routes(live, pool, smollm, store, stream):
     _, tuned = store
     client = live.client()

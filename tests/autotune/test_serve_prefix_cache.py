@@ -17,7 +17,9 @@ from search_spaces.strategy import Strategy
 from studies import load_prompts, routing_text
 from tests.helpers import MAX_TOKENS, MODEL, LiveServer, StaleCache, settled
 
-pytestmark = pytest.mark.slow
+# heavy: servers over HTTP (about 2.5 minutes); the cache's exactness stays in the default run on tiny models
+# in every decoding mode (tests/runtime/test_prefix_cache.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 MODES = ("plain", "default", "auto")
 FIRST = ("Write a Python function that returns the squares of a list of numbers.",
          "What is the capital of France, and why is it famous?")

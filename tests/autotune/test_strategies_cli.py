@@ -207,6 +207,7 @@ def test_runtime_rejects_a_plan_for_another_depth(tiny_llama):
         build_decoder(ModelPool(), target, STORED["selfskip"][2], None)
 
 
+@pytest.mark.heavy  # measures a batch schedule on SmolLM2 (about 30 s); the export's format is tested above
 def test_vllm_export_with_a_batch_schedule_measured_here(tmp_path, capsys):
     """A stored draft-model chain for SmolLM2 on this machine: the export times steps with random
     weights and adds vLLM's schedule; another machine's strategy is refused."""

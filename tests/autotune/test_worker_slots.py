@@ -24,6 +24,7 @@ def _worker(compile: bool, max_batch: int = 4) -> DecodeWorker:
                         WorkerConfig(max_queue=4, max_batch=max_batch, max_batch_rows=16))
 
 
+@pytest.mark.heavy  # compiles five graphs (about 50 s); compiled slot steps' identity stays in tests/runtime/test_batching.py
 def test_a_compiled_worker_keeps_sequences_in_slots_and_compiles_each_row_bucket():
     worker = _worker(compile=True)
     decoders, step_cost = worker.decoders, lambda: worker.figures.step_cost

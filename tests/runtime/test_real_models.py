@@ -27,7 +27,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("precision", ["float32", "int8"])
+@pytest.mark.parametrize("precision", ["float32", pytest.param("int8", marks=pytest.mark.heavy)])  # heavy: beyond gguf
 def test_smollm_spec_equals_plain_and_hf(pool, smollm, precision):
     cfg = GenerationConfig(max_new_tokens=32, eos_token_ids=eos_ids(smollm))
     plain = build_decoder(pool, smollm, PLAIN)
