@@ -41,6 +41,7 @@ from typing import Any
 
 from autotune.measure.replay import ReplayClient, ReplaySettings
 from studies.stream import StreamRequest
+from studies.stream_request import conversations
 
 log = logging.getLogger("autotune.loadtest")
 PEER_MODE = "peer"  # the one mode a peer is measured in (no mode of ours is spelled so)
@@ -269,21 +270,6 @@ def rotated(modes: Sequence[str], round_: int) -> list[str]:
     mode always runs first (on the server as the previous level's traffic left it) or last."""
     k = round_ % len(modes) if modes else 0
     return list(modes[k:]) + list(modes[:k])
-
-
-def conversations(requests: Sequence[StreamRequest]) -> list[list[StreamRequest]]:
-    """``requests`` as units one client sends in order: each conversation's requests together (in
-    stream order, at its first request's place), every other request alone."""
-    units: list[list[StreamRequest]] = []
-    by_name: dict[str, list[StreamRequest]] = {}
-    for r in requests:
-        if r.conversation is None:
-            units.append([r])
-        elif r.conversation in by_name:
-            by_name[r.conversation].append(r)
-        else:
-            units.append(by_name.setdefault(r.conversation, [r]))
-    return units
 
 
 def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:

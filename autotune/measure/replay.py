@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from autotune.choices import STRATEGY_CHOICES
 from autotune.errors import MethodError, RemoteError, SettingError
 from studies.stream import StreamRequest
+from studies.stream_request import conversations
 
 DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
 CHOSEN = "chosen"  # the strategy ``auto`` started a request on, forced (sent right after the ``auto`` one)
@@ -278,8 +279,9 @@ def forced_mode(auto: ReplayRecord) -> str | None:
 def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, concurrency: int = 1,
            progress: Callable[[ReplayRecord], None] | None = None) -> list[ReplayRecord]:
     """Send every request in every mode with ``send`` (a request's modes one after another, in
-    ``modes`` order; ``concurrency`` requests at a time) -> the records by request, then mode
-    (``chosen`` only where ``forced_mode`` could force one)."""
+    ``modes`` order; ``concurrency`` requests at a time, a conversation's requests in order from one
+    sender) -> the records by request, then mode (``chosen`` only where ``forced_mode`` could force
+    one)."""
     def one(request: StreamRequest) -> list[ReplayRecord]:
         out: list[ReplayRecord] = []
         auto = None
@@ -298,7 +300,9 @@ def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, 
     if concurrency == 1:
         return [r for request in requests for r in one(request)]
     with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return [r for records in pool.map(one, requests) for r in records]
+        sent = [r for records in pool.map(lambda unit: [r for q in unit for r in one(q)], conversations(requests))
+                for r in records]
+    return sorted(sent, key=lambda r: r.index)  # stable: a request's modes stay in order
 
 
 def _noted(record: ReplayRecord, progress: Callable[[ReplayRecord], None] | None) -> ReplayRecord:

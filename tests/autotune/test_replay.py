@@ -232,6 +232,18 @@ def test_replay_sends_each_requests_modes_in_a_row() -> None:
     for i in range(3):  # a request's modes one after another, whatever runs beside them
         mine = [m for j, m in sent if j == i]
         assert mine == ["auto", "plain"]
+    sent.clear()  # a conversation's second turn goes after its first, from the same sender
+    talk = _turns("x", "a", 0) + [_request(2, "b")] + _turns("y", "c", 3)
+    threads: dict[int, int] = {}
+
+    def send_talk(request: StreamRequest, mode: str) -> ReplayRecord:
+        threads[request.index] = threading.get_ident()
+        return send(request, mode)
+
+    records = replay(talk, ("auto",), send_talk, concurrency=3)
+    assert [r.index for r in records] == [0, 1, 2, 3, 4]
+    assert [i for i, _ in sent].index(0) < [i for i, _ in sent].index(1) and threads[0] == threads[1]
+    assert [i for i, _ in sent].index(3) < [i for i, _ in sent].index(4) and threads[3] == threads[4]
 
 
 def test_chosen_forces_what_auto_started_on() -> None:
