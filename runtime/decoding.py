@@ -18,8 +18,8 @@ from runtime.kv_cache import KVCache
 from runtime.layout import Layout, PromptChunk
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams, accept_chain, accept_chain_greedy, logits_to_probs
-from runtime.sequence import (  # noqa: F401  (the decode loop's public names live on here too)
-    GenerationConfig, GenerationResult, Sequence, check_fits, decode_generator, keep_rows, prefill_steps,
+from runtime.sequence import (  # noqa: F401  (GenerationResult, check_fits: imported from here too)
+    GenerationConfig, GenerationResult, Sequence, check_fits, keep_rows, prefill_steps,
 )
 from runtime.stats import DecodeStats
 from runtime.transformer import CausalLM

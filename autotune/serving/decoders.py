@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from weakref import WeakKeyDictionary
 
 from autotune.tuning.controller import ControlSettings, lookup_candidate
 from runtime.decoding import Decoder
@@ -41,7 +42,7 @@ class DecoderCache:
         # K/V rows kept across requests, every decoder's prompts read and its finished sequences fill (None: off)
         self.prefix = prefix
         self._resets = 0  # cache resets so far (``reset_rows``); each decoder forgets its rows once per reset
-        self._forgot: dict[int, int] = {}  # id of a decoder -> the resets it has caught up with
+        self._forgot: WeakKeyDictionary[Decoder, int] = WeakKeyDictionary()  # a decoder -> the resets it caught up with
 
     def __len__(self) -> int:
         """Decoders kept (one per strategy, and spares for batch-mates of the same strategy)."""
@@ -126,9 +127,9 @@ class DecoderCache:
                 dec = build_decoder(self.pool, self.target, strategy, self._draft_for(strategy),
                                     verify_width=width, standby=standby)
         self._in_use.add(id(dec))
-        if self._forgot.get(id(dec), 0) != self._resets:
+        if self._forgot.get(dec, 0) != self._resets:
             dec.forget_rows()
-            self._forgot[id(dec)] = self._resets
+            self._forgot[dec] = self._resets
         dec.target.slots = self.slots
         dec.prefix = self.prefix
         return dec

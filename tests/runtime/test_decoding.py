@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import runtime.decoding as decoding
-from runtime.decoding import Decoder, GenerationConfig, decode_generator
+from runtime.decoding import Decoder, GenerationConfig
+from runtime.sequence import decode_generator
 from runtime.drafters import ModelDrafter, TreeShape
 from runtime.lookup import PromptLookupDrafter
 from runtime.sampling import SamplingParams
