@@ -157,10 +157,23 @@ def attach(hf_model: Any, weights: dict[str, GgufWeights]) -> None:
             mod.gguf_weights = weights[name]
 
 
+def runnable(ops: Any, weights: GgufWeights) -> tuple[list[torch.Tensor], list[int]]:
+    """The segments and types ``matmul`` runs: Q4_K segments of whole groups of eight rows repacked
+    by eight (``runtime/kernels/q4k_x8.h``: one kernel for every row count, so still row-invariant)
+    where this CPU's build has that kernel; every other segment as the file holds it."""
+    segments, types = [], []
+    for data, t in weights.segments:
+        packed = ops.repack(data, t, weights.k) if ops.can_repack(t) else None
+        segments.append(data if packed is None else packed)
+        types.append(t if packed is None else ops.repacked_type(t))
+    return segments, types
+
+
 class GgufLinear:
     """``y = x W^T + b`` over GGUF blocks on ggml's kernels (``runtime.kernels``): each activation
     row quantised on its own into the block type's dot-product type, one dot product per weight row
-    and activation row, so every row is computed the same whatever the call's width (row-invariant).
+    and activation row, so every row is computed the same whatever the call's width (row-invariant);
+    Q4_K repacked by eight rows (``runnable``).
     Without blocks (``source`` None), ``weight`` is quantised by ggml into Q4_K (Q5_0)."""
 
     kind = "gguf"
@@ -171,8 +184,7 @@ class GgufLinear:
         self.ops = load()
         self.source = source if source is not None else quantise(weight)
         self.out_dtype = weight.dtype if weight.is_floating_point() else torch.float32
-        self.segments = [data for data, _ in self.source.segments]
-        self.types = list(self.source.types)
+        self.segments, self.types = runnable(self.ops, self.source)
         self.bias = None if bias is None else bias.detach().to(torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

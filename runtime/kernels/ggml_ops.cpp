@@ -34,6 +34,8 @@ std::atomic<bool> rows_kernels_on{true};  // off: every matmul by vec_dot (a sid
 constexpr int64_t kRowBlock = 16;  // weight rows a task takes (held in L1/L2 across the activations)
 constexpr size_t kActTileBytes = 64 * 1024;  // quantised activation rows a rows-kernel pass takes (in L2)
 constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 measured slower)
+// a segment type with this bit set: Q4_K repacked eight rows at a time (q4k_x8.h; `repack`), uint8 [N / 8, nb * 1184]
+constexpr int64_t kRepacked = int64_t{1} << 16;
 
 struct Init {
     Init() { ggml_cpu_init(); }
@@ -58,6 +60,7 @@ struct Block {
     int64_t n0, count;  // output column of its first row, rows in it
     ggml_vec_dot_t dot;
     RowsDot rows_dot;  // null: one vec_dot per pair
+    bool packed;  // Q4_K repacked by eight rows: `rows` holds count / 8 packs of row_bytes each
     const uint8_t* xq;  // the activations quantised into this segment's vec_dot_type
     size_t xq_stride;
 };
@@ -215,6 +218,8 @@ void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
 }
 
+#include "q4k_x8.h"
+
 // kRows rows at a time, then the rest in one pass of their own count
 template <template <int> class Kernel, int R = kRows>
 void rest(int64_t k, const uint8_t* w, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
@@ -243,13 +248,27 @@ RowsDot rows_kernel(ggml_type type) {
         default: return nullptr;
     }
 }
+bool can_repack(int64_t type) { return type == GGML_TYPE_Q4_K; }
+size_t pack_bytes() { return sizeof(BlockQ4Kx8); }
+void pack_rows(int64_t k, const uint8_t* pack, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
+               int64_t out_stride) {
+    q4k_x8_by_rows(k, pack, x, x_stride, rows, out, out_stride);
+}
+void repack_pack(const uint8_t* rows, int64_t nb, uint8_t* out) {
+    repack_q4k_x8(reinterpret_cast<const BlockQ4K*>(rows), nb, reinterpret_cast<BlockQ4Kx8*>(out));
+}
 #else
 RowsDot rows_kernel(ggml_type) { return nullptr; }
+bool can_repack(int64_t) { return false; }
+size_t pack_bytes() { return 1184; }
+void pack_rows(int64_t, const uint8_t*, const uint8_t*, size_t, int64_t, float*, int64_t) {}
+void repack_pack(const uint8_t*, int64_t, uint8_t*) {}
 #endif
 
 }  // namespace
 
 // x [M, K] float32; weights: uint8 [N_i, row_bytes_i], each of ggml type types[i] -> y [M, sum N_i]
+// (a type with kRepacked set: Q4_K repacked by `repack`, uint8 [N_i / 8, pack_bytes], N_i = 8 x its rows)
 // by_vec_dot: every pair through ggml's vec_dot (the reference the rows kernels are tested against)
 torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                      const std::vector<int64_t>& types, bool by_vec_dot = false) {
@@ -258,13 +277,25 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     const torch::Tensor x = x_in.contiguous();
     const int64_t M = x.size(0), K = x.size(1);
     int64_t N = 0;
+    std::vector<int64_t> base(types.size()), out_rows(types.size());
     for (size_t i = 0; i < weights.size(); ++i) {
         const auto& w = weights[i];
+        const bool packed = (types[i] & kRepacked) != 0;
+        base[i] = types[i] & ~kRepacked;
         TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "weights must be contiguous uint8 rows");
-        TORCH_CHECK(static_cast<size_t>(w.size(1)) == ggml_row_size(static_cast<ggml_type>(types[i]), K),
-                    "a ", ggml_type_name(static_cast<ggml_type>(types[i])), " row of ", K, " elements is ",
-                    ggml_row_size(static_cast<ggml_type>(types[i]), K), " bytes, not ", w.size(1));
-        N += w.size(0);
+        const size_t rb = ggml_row_size(static_cast<ggml_type>(base[i]), K);
+        if (packed) {
+            TORCH_CHECK(can_repack(base[i]) && !by_vec_dot, "repacked ", ggml_type_name(static_cast<ggml_type>(base[i])),
+                        " rows cannot run here", by_vec_dot ? " by vec_dot" : "");
+            const size_t pb = static_cast<size_t>(K / 256) * pack_bytes();
+            TORCH_CHECK(static_cast<size_t>(w.size(1)) == pb, "eight repacked Q4_K rows of ", K, " elements are ", pb,
+                        " bytes, not ", w.size(1));
+        } else {
+            TORCH_CHECK(static_cast<size_t>(w.size(1)) == rb, "a ", ggml_type_name(static_cast<ggml_type>(base[i])), " row of ", K,
+                        " elements is ", rb, " bytes, not ", w.size(1));
+        }
+        out_rows[i] = w.size(0) * (packed ? 8 : 1);
+        N += out_rows[i];
     }
     torch::Tensor y = torch::empty({M, N}, x.options());
     if (M == 0 || N == 0) return y;
@@ -272,7 +303,7 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     // each activation row quantised once per vec_dot_type, from that row alone
     std::map<int, torch::Tensor> quantised;
     const float* xp = x.data_ptr<float>();
-    for (int64_t type : types) {
+    for (int64_t type : base) {
         const ggml_type vt = cpu_traits(type)->vec_dot_type;
         if (quantised.count(vt)) continue;
         const size_t rb = ggml_row_size(vt, K);
@@ -292,18 +323,19 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     std::vector<Block> blocks;
     int64_t n0 = 0;
     for (size_t i = 0; i < weights.size(); ++i) {
-        const auto* t = cpu_traits(types[i]);
+        const auto* t = cpu_traits(base[i]);
         const torch::Tensor& xq = quantised[t->vec_dot_type];
         const size_t rb = weights[i].size(1);
-        const uint8_t* base = weights[i].data_ptr<uint8_t>();
-        for (int64_t r = 0; r < weights[i].size(0); r += kRowBlock) {
-            const int64_t count = std::min(kRowBlock, weights[i].size(0) - r);
+        const bool packed = (types[i] & kRepacked) != 0;
+        const uint8_t* base_ptr = weights[i].data_ptr<uint8_t>();
+        for (int64_t r = 0; r < out_rows[i]; r += kRowBlock) {
+            const int64_t count = std::min(kRowBlock, out_rows[i] - r);
             const RowsDot rows_dot = by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
-                                         ? nullptr : rows_kernel(static_cast<ggml_type>(types[i]));
-            blocks.push_back({base + r * rb, rb, n0 + r, count, t->vec_dot, rows_dot, xq.data_ptr<uint8_t>(),
-                              static_cast<size_t>(xq.size(1))});
+                                         ? nullptr : rows_kernel(static_cast<ggml_type>(base[i]));
+            blocks.push_back({base_ptr + (packed ? r / 8 : r) * rb, rb, n0 + r, count, t->vec_dot, rows_dot, packed,
+                              xq.data_ptr<uint8_t>(), static_cast<size_t>(xq.size(1))});
         }
-        n0 += weights[i].size(0);
+        n0 += out_rows[i];
     }
 
     float* yp = y.data_ptr<float>();
@@ -311,11 +343,17 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
         for (int64_t bi = b; bi < e; ++bi) {
             const Block& blk = blocks[bi];
-            if (blk.rows_dot != nullptr) {
+            if (blk.packed || blk.rows_dot != nullptr) {
                 // a tile of activation rows (held in L2) against the block's weight rows (held in L1)
                 const int64_t tile = std::max<int64_t>(kRows, static_cast<int64_t>(kActTileBytes / blk.xq_stride) / kRows * kRows);
                 for (int64_t m0 = 0; m0 < M; m0 += tile) {
                     const int64_t rows = std::min(tile, M - m0);
+                    if (blk.packed) {
+                        for (int64_t r = 0; r < blk.count; r += 8)
+                            pack_rows(K, blk.rows + (r / 8) * blk.row_bytes, blk.xq + m0 * blk.xq_stride, blk.xq_stride,
+                                      rows, yp + m0 * N + blk.n0 + r, N);
+                        continue;
+                    }
                     for (int64_t r = 0; r < blk.count; ++r)
                         blk.rows_dot(K, blk.rows + r * blk.row_bytes, blk.xq + m0 * blk.xq_stride, blk.xq_stride,
                                      rows, yp + m0 * N + blk.n0 + r, N);
@@ -332,6 +370,23 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         }
     });
     return y;
+}
+
+// uint8 [N, row_bytes] of Q4_K -> uint8 [N / 8, nb * 1184]: eight rows at a time in q4k_x8.h's layout, for
+// `matmul` with the type kRepacked | Q4_K. Undefined (None) where this build has no kernel for it.
+torch::Tensor repack(const torch::Tensor& w_in, int64_t type, int64_t K) {
+    TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == torch::kUInt8, "w must be [N, row_bytes] uint8");
+    if (!can_repack(type) || w_in.size(0) % 8 != 0 || K % 256 != 0) return torch::Tensor();
+    TORCH_CHECK(static_cast<size_t>(w_in.size(1)) == ggml_row_size(GGML_TYPE_Q4_K, K), "row bytes do not match Q4_K x ", K);
+    const torch::Tensor w = w_in.contiguous();
+    const int64_t packs = w.size(0) / 8, nb = K / 256;
+    torch::Tensor out = torch::empty({packs, nb * static_cast<int64_t>(pack_bytes())}, torch::kUInt8);
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, packs, 16, [&](int64_t b, int64_t e) {
+        for (int64_t p = b; p < e; ++p) repack_pack(src + p * 8 * w.size(1), nb, dst + p * out.size(1));
+    });
+    return out;
 }
 
 // w [N, K] float32 -> uint8 [N, row_bytes] of ggml type `type`, by ggml's own quantiser (llama-quantize's, no imatrix)
@@ -698,6 +753,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"),
           py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("mask"), py::arg("cos"), py::arg("sin"),
           py::arg("n_heads"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+    m.def("repack", &repack, "Q4_K rows [N, row_bytes] -> repacked by eight (None where this build cannot)",
+          py::arg("w"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
+    m.def("can_repack", &can_repack);
+    m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
           "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
     m.def("has_dot", &has_dot);

@@ -1,7 +1,7 @@
 """The gguf precision: GGUF blocks on ggml's CPU kernels (``runtime.kernels``, ``runtime.gguf_blocks``).
 
 Row invariance at 1..17 rows on every block type the packaged files hold (with a power check: a
-kernel that sums a multi-row call another way fails it), ggml's block decoders against the gguf
+kernel that sums a multi-row call another way fails it), Q4_K repacked by eight rows, ggml's block decoders against the gguf
 package's reference dequantiser, unsupported types and missing kernels as one-line errors, and the
 packaged models' own blocks read in place."""
 from __future__ import annotations
@@ -72,6 +72,41 @@ def test_the_multi_row_kernels_are_ggmls_vec_dot_bit_for_bit(kind):
         assert torch.equal(got, want), m
     # the equality has power: the same products summed in float32 (dequantised weights) differ
     assert not torch.equal(x @ ops.dequantize(w, t, 2560).t(), ops.matmul(x, [w], [t]))
+
+
+needs_repack = pytest.mark.skipif(not kernels.load().can_repack(PACKAGED_TYPES["Q4_K"]),
+                                  reason="this CPU's build has no repacked Q4_K kernel (AVX2)")
+
+
+@needs_repack
+def test_repacked_q4_k_is_row_invariant_and_computes_ggmls_dot_products():
+    """Q4_K repacked by eight rows (one kernel for every row count: four rows at a time, then the
+    rest) gives each row the same bits at every call width, tile boundaries included, and the
+    products vec_dot gives to within float32 rounding (its sums run in another order)."""
+    ops, t = kernels.load(), PACKAGED_TYPES["Q4_K"]
+    w = ops.quantize(torch.randn(40, 2560, generator=torch.Generator().manual_seed(3)), t)
+    packed, rt = ops.repack(w, t, 2560), ops.repacked_type(t)
+    assert packed.shape == (5, 10 * 1184)
+    x = torch.randn(160, 2560, generator=torch.Generator().manual_seed(4)) * 3
+    alone = torch.cat([ops.matmul(x[i : i + 1], [packed], [rt]) for i in range(160)])
+    for m in (*range(1, 10), 31, 160):
+        assert torch.equal(ops.matmul(x[:m], [packed], [rt]), alone[:m]), m
+    want = ops.matmul(x, [w], [t], by_vec_dot=True)
+    assert not torch.equal(alone, want)  # another float order: the identity above is the kernel's own
+    torch.testing.assert_close(alone, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_repack
+def test_only_whole_groups_of_eight_q4_k_rows_are_repacked():
+    ops, q4k = kernels.load(), PACKAGED_TYPES["Q4_K"]
+    parts = [_weights("Q4_K", n=16)[1], _weights("Q4_K", n=12, seed=1)[1], _weights("Q6_K", n=8, seed=2)[1]]
+    linear = GgufLinear(torch.empty(36, 512), None, GgufWeights.cat(parts))
+    assert linear.types == [ops.repacked_type(q4k), q4k, PACKAGED_TYPES["Q6_K"]]
+    assert [s.shape[0] for s in linear.segments] == [2, 12, 8]
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
+    assert rows_invariant(linear, x)
+    with pytest.raises(RuntimeError, match="by vec_dot"):
+        ops.matmul(x, linear.segments[:1], linear.types[:1], by_vec_dot=True)
 
 
 def test_a_fused_projection_computes_each_part_as_its_own_call_does():
