@@ -158,8 +158,8 @@ def attach(hf_model: Any, weights: dict[str, GgufWeights]) -> None:
 
 
 def runnable(ops: Any, weights: GgufWeights) -> tuple[list[torch.Tensor], list[int]]:
-    """The segments and types ``matmul`` runs: Q4_K segments of whole groups of eight rows repacked
-    by eight (``runtime/kernels/q4k_x8.h``: one kernel for every row count, so still row-invariant)
+    """The segments and types ``matmul`` runs: Q4_K segments of whole groups of eight rows repacked by
+    eight (``runtime/kernels/repacked.h``: one kernel for every row count, so still row-invariant)
     where this CPU's build has that kernel; every other segment as the file holds it."""
     segments, types = [], []
     for data, t in weights.segments:

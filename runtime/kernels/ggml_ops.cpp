@@ -34,7 +34,8 @@ std::atomic<bool> rows_kernels_on{true};  // off: every matmul by vec_dot (a sid
 constexpr int64_t kRowBlock = 16;  // weight rows a task takes (held in L1/L2 across the activations)
 constexpr size_t kActTileBytes = 64 * 1024;  // quantised activation rows a rows-kernel pass takes (in L2)
 constexpr int kRows = 4;  // activation rows that share one decoded weight block (8 measured slower)
-// a segment type with this bit set: Q4_K repacked eight rows at a time (q4k_x8.h; `repack`), uint8 [N / 8, nb * 1184]
+// a segment type with this bit set: Q4_K repacked eight rows at a time (repacked.h; `repack`),
+// uint8 [N / 8, pack_bytes(type, K)]
 constexpr int64_t kRepacked = int64_t{1} << 16;
 
 struct Init {
@@ -60,13 +61,13 @@ struct Block {
     int64_t n0, count;  // output column of its first row, rows in it
     ggml_vec_dot_t dot;
     RowsDot rows_dot;  // null: one vec_dot per pair
-    bool packed;  // Q4_K repacked by eight rows: `rows` holds count / 8 packs of row_bytes each
+    RowsDot packed;  // non-null: repacked by eight rows, `rows` holds count / 8 packs of row_bytes each
     const uint8_t* xq;  // the activations quantised into this segment's vec_dot_type
     size_t xq_stride;
 };
 
 #ifdef AUTOTUNE_AVX2
-// ---------------------------------------------------------------- Q4_K / Q6_K against Q8_K, rows at once
+// ---------------------------------------------------------------- Q4_K against Q8_K, rows at once
 //
 // The blocks as ggml lays them out (ggml-common.h), checked against ggml_row_size at run time.
 struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
@@ -218,7 +219,7 @@ void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
 }
 
-#include "q4k_x8.h"
+#include "repacked.h"
 
 // kRows rows at a time, then the rest in one pass of their own count
 template <template <int> class Kernel, int R = kRows>
@@ -249,20 +250,23 @@ RowsDot rows_kernel(ggml_type type) {
     }
 }
 bool can_repack(int64_t type) { return type == GGML_TYPE_Q4_K; }
-size_t pack_bytes() { return sizeof(BlockQ4Kx8); }
-void pack_rows(int64_t k, const uint8_t* pack, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
-               int64_t out_stride) {
-    q4k_x8_by_rows(k, pack, x, x_stride, rows, out, out_stride);
+// bytes of eight repacked rows of k elements
+size_t pack_bytes(int64_t type, int64_t k) {
+    return type == GGML_TYPE_Q4_K ? static_cast<size_t>(k / 256) * sizeof(BlockQ4Kx8) : 0;
 }
-void repack_pack(const uint8_t* rows, int64_t nb, uint8_t* out) {
-    repack_q4k_x8(reinterpret_cast<const BlockQ4K*>(rows), nb, reinterpret_cast<BlockQ4Kx8*>(out));
+RowsDot pack_kernel(int64_t type) {
+    if (type == GGML_TYPE_Q4_K) return x8_by_rows<q4k_x8_rows<4>, q4k_x8_rows<3>, q4k_x8_rows<2>, q4k_x8_rows<1>>;
+    return nullptr;
+}
+void repack_pack(int64_t type, const uint8_t* rows, int64_t nb, uint8_t* out) {
+    if (type == GGML_TYPE_Q4_K) repack_q4k_x8(reinterpret_cast<const BlockQ4K*>(rows), nb, reinterpret_cast<BlockQ4Kx8*>(out));
 }
 #else
 RowsDot rows_kernel(ggml_type) { return nullptr; }
 bool can_repack(int64_t) { return false; }
-size_t pack_bytes() { return 1184; }
-void pack_rows(int64_t, const uint8_t*, const uint8_t*, size_t, int64_t, float*, int64_t) {}
-void repack_pack(const uint8_t*, int64_t, uint8_t*) {}
+size_t pack_bytes(int64_t, int64_t) { return 0; }
+RowsDot pack_kernel(int64_t) { return nullptr; }
+void repack_pack(int64_t, const uint8_t*, int64_t, uint8_t*) {}
 #endif
 
 }  // namespace
@@ -287,9 +291,8 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         if (packed) {
             TORCH_CHECK(can_repack(base[i]) && !by_vec_dot, "repacked ", ggml_type_name(static_cast<ggml_type>(base[i])),
                         " rows cannot run here", by_vec_dot ? " by vec_dot" : "");
-            const size_t pb = static_cast<size_t>(K / 256) * pack_bytes();
-            TORCH_CHECK(static_cast<size_t>(w.size(1)) == pb, "eight repacked Q4_K rows of ", K, " elements are ", pb,
-                        " bytes, not ", w.size(1));
+            TORCH_CHECK(static_cast<size_t>(w.size(1)) == pack_bytes(base[i], K), "eight repacked rows of ", K,
+                        " elements are ", pack_bytes(base[i], K), " bytes, not ", w.size(1));
         } else {
             TORCH_CHECK(static_cast<size_t>(w.size(1)) == rb, "a ", ggml_type_name(static_cast<ggml_type>(base[i])), " row of ", K,
                         " elements is ", rb, " bytes, not ", w.size(1));
@@ -332,7 +335,8 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
             const int64_t count = std::min(kRowBlock, out_rows[i] - r);
             const RowsDot rows_dot = by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
                                          ? nullptr : rows_kernel(static_cast<ggml_type>(base[i]));
-            blocks.push_back({base_ptr + (packed ? r / 8 : r) * rb, rb, n0 + r, count, t->vec_dot, rows_dot, packed,
+            blocks.push_back({base_ptr + (packed ? r / 8 : r) * rb, rb, n0 + r, count, t->vec_dot, rows_dot,
+                              packed ? pack_kernel(base[i]) : nullptr,
                               xq.data_ptr<uint8_t>(), static_cast<size_t>(xq.size(1))});
         }
         n0 += out_rows[i];
@@ -350,7 +354,7 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
                     const int64_t rows = std::min(tile, M - m0);
                     if (blk.packed) {
                         for (int64_t r = 0; r < blk.count; r += 8)
-                            pack_rows(K, blk.rows + (r / 8) * blk.row_bytes, blk.xq + m0 * blk.xq_stride, blk.xq_stride,
+                            blk.packed(K, blk.rows + (r / 8) * blk.row_bytes, blk.xq + m0 * blk.xq_stride, blk.xq_stride,
                                       rows, yp + m0 * N + blk.n0 + r, N);
                         continue;
                     }
@@ -372,19 +376,22 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     return y;
 }
 
-// uint8 [N, row_bytes] of Q4_K -> uint8 [N / 8, nb * 1184]: eight rows at a time in q4k_x8.h's layout, for
-// `matmul` with the type kRepacked | Q4_K. Undefined (None) where this build has no kernel for it.
+// uint8 [N, row_bytes] of Q4_K -> uint8 [N / 8, pack_bytes]: eight rows at a time in repacked.h's
+// layout, for `matmul` with the type kRepacked | type. Undefined (None) where this build has no kernel for it.
 torch::Tensor repack(const torch::Tensor& w_in, int64_t type, int64_t K) {
     TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == torch::kUInt8, "w must be [N, row_bytes] uint8");
     if (!can_repack(type) || w_in.size(0) % 8 != 0 || K % 256 != 0) return torch::Tensor();
-    TORCH_CHECK(static_cast<size_t>(w_in.size(1)) == ggml_row_size(GGML_TYPE_Q4_K, K), "row bytes do not match Q4_K x ", K);
+    const size_t rb = ggml_row_size(static_cast<ggml_type>(type), K);
+    TORCH_CHECK(static_cast<size_t>(w_in.size(1)) == rb, "row bytes do not match ",
+                ggml_type_name(static_cast<ggml_type>(type)), " x ", K);
     const torch::Tensor w = w_in.contiguous();
     const int64_t packs = w.size(0) / 8, nb = K / 256;
-    torch::Tensor out = torch::empty({packs, nb * static_cast<int64_t>(pack_bytes())}, torch::kUInt8);
+    const size_t pb = pack_bytes(type, K);
+    torch::Tensor out = torch::empty({packs, static_cast<int64_t>(pb)}, torch::kUInt8);
     const uint8_t* src = w.data_ptr<uint8_t>();
     uint8_t* dst = out.data_ptr<uint8_t>();
     at::parallel_for(0, packs, 16, [&](int64_t b, int64_t e) {
-        for (int64_t p = b; p < e; ++p) repack_pack(src + p * 8 * w.size(1), nb, dst + p * out.size(1));
+        for (int64_t p = b; p < e; ++p) repack_pack(type, src + p * 8 * rb, nb, dst + p * pb);
     });
     return out;
 }
@@ -758,7 +765,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("can_repack", &can_repack);
     m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
-          "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
+          "whether Q4_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }

@@ -1,5 +1,5 @@
-// Q4_K repacked eight weight rows at a time, and its kernel for several activation rows (AVX2).
-// Included by ggml_ops.cpp inside its anonymous namespace, after BlockQ4K / BlockQ8K / half_to_float.
+// Q4_K repacked eight weight rows at a time, and its kernel for any number of activation rows (AVX2).
+// Included by ggml_ops.cpp inside its anonymous namespace, after its ggml block structs.
 //
 // Layout (BlockQ4Kx8, one per super-block of eight rows): the rows' d and dmin (fp16), their eight
 // 6-bit sub-block scales and mins unpacked to bytes, and their nibbles interleaved four bytes per row:
@@ -106,15 +106,21 @@ void q4k_x8_rows(int64_t k, const uint8_t* pack, const uint8_t* xrows, size_t x_
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride, _mm256_sub_ps(acc[r], acc_m[r]));
 }
 
-// any number of activation rows: four at a time, then the rest together
-inline void q4k_x8_by_rows(int64_t k, const uint8_t* pack, const uint8_t* x, size_t x_stride, int64_t rows,
-                           float* out, int64_t out_stride) {
+// any number of activation rows: four at a time, then the rest in one pass of their own count
+template <void (*Kernel4)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t),
+          void (*Kernel3)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t),
+          void (*Kernel2)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t),
+          void (*Kernel1)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t)>
+void x8_by_rows(int64_t k, const uint8_t* pack, const uint8_t* x, size_t x_stride, int64_t rows, float* out,
+                int64_t out_stride) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) q4k_x8_rows<4>(k, pack, x + r * x_stride, x_stride, out + r * out_stride, out_stride);
+    for (; r + 4 <= rows; r += 4) Kernel4(k, pack, x + r * x_stride, x_stride, out + r * out_stride, out_stride);
+    const uint8_t* xr = x + r * x_stride;
+    float* o = out + r * out_stride;
     switch (rows - r) {
-        case 3: q4k_x8_rows<3>(k, pack, x + r * x_stride, x_stride, out + r * out_stride, out_stride); break;
-        case 2: q4k_x8_rows<2>(k, pack, x + r * x_stride, x_stride, out + r * out_stride, out_stride); break;
-        case 1: q4k_x8_rows<1>(k, pack, x + r * x_stride, x_stride, out + r * out_stride, out_stride); break;
+        case 3: Kernel3(k, pack, xr, x_stride, o, out_stride); break;
+        case 2: Kernel2(k, pack, xr, x_stride, o, out_stride); break;
+        case 1: Kernel1(k, pack, xr, x_stride, o, out_stride); break;
         default: break;
     }
 }
