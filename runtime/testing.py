@@ -8,16 +8,17 @@ import torch
 
 
 def tiny_model(
-    family: str, seed: int, vocab: int = 96, layers: int = 3, sharpen: float = 8.0
+    family: str, seed: int, vocab: int = 96, layers: int = 3, sharpen: float = 8.0, hidden: int = 64
 ) -> torch.nn.Module:
     """A randomly initialised llama/qwen2 causal LM (qwen2: q/k/v biases), float32, eval mode.
 
     ``sharpen`` scales the output head: the default makes greedy paths clear of near-ties; the
-    distribution tests use a milder scale so that sampled distributions stay spread."""
+    distribution tests use a milder scale so that sampled distributions stay spread. ``hidden`` is the
+    model width (the MLP is twice it); 256 and up gives rows the k-quants (Q4_K) can hold."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False,
     )

@@ -163,6 +163,30 @@ def test_tiny_speculation_equals_plain_at_the_same_precision(backend):
 
 
 
+def test_speculation_equals_plain_on_repacked_q4_k_rows():
+    """A model wide enough for Q4_K (rows of 256 values) runs its projections at gguf on Q4_K repacked
+    by eight rows; chain and tree drafting and prompt lookup still decode plain decoding's tokens."""
+    from runtime import kernels
+
+    ops = kernels.load()
+    if not ops.can_repack(12):
+        pytest.skip("this CPU's build has no repacked Q4_K kernel (AVX2)")
+    target_model = tiny_model("qwen2", 5, layers=2, hidden=256)
+    target = _quantised(target_model, "gguf")
+    assert ops.repacked_type(12) in {t for lin in target.linears[0].values() for t in lin.types}
+    draft = CausalLM(noisy_copy(target_model, 0.15, seed=6))
+    prompt = [3, 14, 15, 9, 2, 6, 5, 3]
+    cfg = GenerationConfig(max_new_tokens=40)
+    want = Decoder(target).generate(prompt, cfg).tokens
+    for shape in (TreeShape((1, 1, 1, 1)), TreeShape((3, 2, 1))):
+        drafter = ModelDrafter(draft, target.dims.vocab, shape)
+        got = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1).generate(prompt, cfg)
+        assert got.tokens == want, shape
+        assert got.stats.drafted > 0 and sum(got.stats.accept_hist[2:]) > 0  # depth >= 2 accepted
+    lookup = Decoder(target, PromptLookupDrafter(max_ngram=3, min_ngram=1), 4, verify_width=5)
+    assert lookup.generate(prompt, cfg).tokens == want
+
+
 @pytest.mark.parametrize("backend", QUANTISED_ROW_INVARIANT)
 def test_fused_projections_compute_each_part_bit_identically(backend, monkeypatch):
     """The quantised backends run q/k/v and gate/up as one call each (runtime.linear.FUSED_BACKENDS);
