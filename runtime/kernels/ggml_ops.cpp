@@ -5,9 +5,10 @@
 // type's vec_dot_type (from_float), then one dot product per (weight row, activation row): ggml's
 // vec_dot, or for Q4_K and Q6_K on AVX2 a kernel that decodes each weight block once for up to
 // kRows activation rows and gives each row the very arithmetic of ggml's AVX2 vec_dot (the same
-// integer lanes, the same float operations in the same order), so bit-identical to it. A row's
-// result therefore depends on that row alone, whatever the call's row count: row-invariant by
-// construction. Output rows are split over torch's own thread pool (at::parallel_for), so the
+// integer lanes, the same float operations in the same order), so bit-identical to it; or, for Q4_K
+// rows repacked by eight (`repack`, repacked.h), one kernel whose arithmetic per pair is fixed at
+// every row count. A row's result therefore depends on that row alone, whatever the call's row
+// count: row-invariant by construction. Output rows are split over torch's own thread pool (at::parallel_for), so the
 // configured thread count holds and nothing oversubscribes it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -67,7 +68,7 @@ struct Block {
 };
 
 #ifdef AUTOTUNE_AVX2
-// ---------------------------------------------------------------- Q4_K against Q8_K, rows at once
+// ---------------------------------------------------------------- Q4_K / Q6_K against Q8_K, rows at once
 //
 // The blocks as ggml lays them out (ggml-common.h), checked against ggml_row_size at run time.
 struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
@@ -765,7 +766,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("can_repack", &can_repack);
     m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
-          "whether Q4_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
+          "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }
