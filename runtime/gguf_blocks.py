@@ -160,10 +160,11 @@ def attach(hf_model: Any, weights: dict[str, GgufWeights]) -> None:
 def runnable(ops: Any, weights: GgufWeights) -> tuple[list[torch.Tensor], list[int]]:
     """The segments and types ``matmul`` runs: Q4_K segments of whole groups of eight rows repacked by
     eight (``runtime/kernels/repacked.h``: one kernel for every row count, so still row-invariant)
-    where this CPU's build has that kernel; every other segment as the file holds it."""
+    where this CPU's build has that kernel (the file's pages they came from are paged out: the step
+    never reads them); every other segment as the file holds it."""
     segments, types = [], []
     for data, t in weights.segments:
-        packed = ops.repack(data, t, weights.k) if ops.can_repack(t) else None
+        packed = ops.repack(data, t, weights.k, release_source=True) if ops.can_repack(t) else None
         segments.append(data if packed is None else packed)
         types.append(t if packed is None else ops.repacked_type(t))
     return segments, types

@@ -1,9 +1,11 @@
 """The gguf projections of the 1.5B's shapes (Q4_K gate/up, Q6_K down, Q6_K head rows) at 1-64
 activation rows: ggml's vec_dot per (weight row, activation row) against the extension's rows
 kernels (each weight block decoded once for four activation rows), side by side in one run, with
-the two checked bit-identical at every width. Weights are random, quantised by ggml. With
-``--prefill N``, also the packaged 1.5B's prefill of an N-token prompt at gguf, the rows kernels
-switched off and on in turn (three rounds each, the fastest kept).
+the two checked bit-identical at every width; for Q4_K also the rows repacked by eight (the path the
+model runs), checked row-invariant. Weights are random, quantised by ggml (a matrix this size sits in
+a large L3: one row here is faster than in a whole model's step). With ``--prefill N``, also the
+packaged 1.5B's prefill of an N-token prompt at gguf, the Q6_K rows kernels switched off and on in
+turn (three rounds each, the fastest kept).
 
     python tools/rows_kernels.py [--prefill 512]
 """
@@ -40,7 +42,7 @@ def prefill(tokens: int) -> None:
             best[on] = min(best[on], time.perf_counter() - start)
     ops.use_rows_kernels(True)
     print(f"\n| {tokens}-token prefill | ms a token |\n|---|---|")
-    for on, label in ((False, "vec_dot"), (True, "rows kernels")):
+    for on, label in ((False, "Q6_K by vec_dot"), (True, "Q6_K by the rows kernels")):
         print(f"| {label} | {best[on] * 1e3 / tokens:.1f} |")
 
 
@@ -50,15 +52,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     ops = load()
-    print("| matrix | rows | vec_dot ms | rows kernels ms | x | identical |\n|---|---|---|---|---|---|")
+    print("| matrix | rows | vec_dot ms | rows kernels ms | x | identical | repacked ms | x | row-invariant |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for name, kind, n, k in SHAPES:
         w = ops.quantize(torch.randn(n, k), kind)
+        packed = ops.repack(w, kind, k)
         for m in (1, 4, 8, 16, 64):
             x = torch.randn(m, k)
             same = torch.equal(ops.matmul(x, [w], [kind]), ops.matmul(x, [w], [kind], by_vec_dot=True))
             ref = _time(lambda: ops.matmul(x, [w], [kind], by_vec_dot=True))
             rows = _time(lambda: ops.matmul(x, [w], [kind]))
-            print(f"| {name} {n}x{k} | {m} | {ref:.2f} | {rows:.2f} | {ref / rows:.2f} | {'yes' if same else 'NO'} |")
+            line = f"| {name} {n}x{k} | {m} | {ref:.2f} | {rows:.2f} | {ref / rows:.2f} | {'yes' if same else 'NO'} |"
+            if packed is not None:
+                rt = ops.repacked_type(kind)
+                alone = torch.cat([ops.matmul(x[i : i + 1], [packed], [rt]) for i in range(m)])
+                invariant = torch.equal(ops.matmul(x, [packed], [rt]), alone)
+                rep = _time(lambda: ops.matmul(x, [packed], [rt]))
+                line += f" {rep:.2f} | {ref / rep:.2f} | {'yes' if invariant else 'NO'} |"
+            else:
+                line += " - | - | - |"
+            print(line)
     if args.prefill:
         prefill(args.prefill)
 

@@ -21,6 +21,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "ggml.h"
 #include "ggml-cpu.h"
 
@@ -377,9 +380,25 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
     return y;
 }
 
+// the pages wholly inside [p, p + n) leave this process's memory (MADV_PAGEOUT: their contents stay, a file
+// mapping's pages are read back from the file when next touched; anonymous memory without swap stays put)
+void page_out(const uint8_t* p, size_t n) {
+#ifdef MADV_PAGEOUT
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t start = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_PAGEOUT);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
 // uint8 [N, row_bytes] of Q4_K -> uint8 [N / 8, pack_bytes]: eight rows at a time in repacked.h's
 // layout, for `matmul` with the type kRepacked | type. Undefined (None) where this build has no kernel for it.
-torch::Tensor repack(const torch::Tensor& w_in, int64_t type, int64_t K) {
+// release_source: the source's pages are then paged out (a memory-mapped file's blocks, which the step no
+// longer reads, stop counting in the process's resident size).
+torch::Tensor repack(const torch::Tensor& w_in, int64_t type, int64_t K, bool release_source) {
     TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == torch::kUInt8, "w must be [N, row_bytes] uint8");
     if (!can_repack(type) || w_in.size(0) % 8 != 0 || K % 256 != 0) return torch::Tensor();
     const size_t rb = ggml_row_size(static_cast<ggml_type>(type), K);
@@ -394,6 +413,7 @@ torch::Tensor repack(const torch::Tensor& w_in, int64_t type, int64_t K) {
     at::parallel_for(0, packs, 16, [&](int64_t b, int64_t e) {
         for (int64_t p = b; p < e; ++p) repack_pack(type, src + p * 8 * rb, nb, dst + p * pb);
     });
+    if (release_source && w.is_same(w_in)) page_out(src, static_cast<size_t>(w.size(0)) * rb);
     return out;
 }
 
@@ -762,7 +782,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("keys"), py::arg("values"), py::arg("slots"), py::arg("mask"), py::arg("cos"), py::arg("sin"),
           py::arg("n_heads"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
     m.def("repack", &repack, "Q4_K rows [N, row_bytes] -> repacked by eight (None where this build cannot)",
-          py::arg("w"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
+          py::arg("w"), py::arg("type"), py::arg("k"), py::arg("release_source") = false,
+          py::call_guard<py::gil_scoped_release>());
     m.def("can_repack", &can_repack);
     m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },

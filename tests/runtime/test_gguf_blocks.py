@@ -85,8 +85,10 @@ def test_repacked_q4_k_is_row_invariant_and_computes_ggmls_dot_products():
     products vec_dot gives to within float32 rounding (its sums run in another order)."""
     ops, t = kernels.load(), PACKAGED_TYPES["Q4_K"]
     w = ops.quantize(torch.randn(40, 2560, generator=torch.Generator().manual_seed(3)), t)
-    packed, rt = ops.repack(w, t, 2560), ops.repacked_type(t)
+    kept = w.clone()
+    packed, rt = ops.repack(w, t, 2560, release_source=True), ops.repacked_type(t)
     assert packed.shape == (5, 10 * 1184)
+    assert torch.equal(w, kept)  # paging the source out keeps its contents (here anonymous memory)
     x = torch.randn(160, 2560, generator=torch.Generator().manual_seed(4)) * 3
     alone = torch.cat([ops.matmul(x[i : i + 1], [packed], [rt]) for i in range(160)])
     for m in (*range(1, 10), 31, 160):
