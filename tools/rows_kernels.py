@@ -1,11 +1,12 @@
 """The gguf projections of the 1.5B's shapes (Q4_K gate/up, Q6_K down, Q6_K head rows) at 1-64
 activation rows: ggml's vec_dot per (weight row, activation row) against the extension's rows
 kernels (each weight block decoded once for four activation rows), side by side in one run, with
-the two checked bit-identical at every width; for Q4_K also the rows repacked by eight (the path the
-model runs), checked row-invariant. Weights are random, quantised by ggml (a matrix this size sits in
-a large L3: one row here is faster than in a whole model's step). With ``--prefill N``, also the
-packaged 1.5B's prefill of an N-token prompt at gguf, the Q6_K rows kernels switched off and on in
-turn (three rounds each, the fastest kept).
+the two checked bit-identical at every width; for Q4_K also the rows repacked by eight (the path
+the model runs), checked row-invariant, with its largest difference to vec_dot's results. Weights
+are random, quantised by ggml (a matrix this size sits in a large L3: one row here is faster than
+in a whole model's step). With ``--prefill N``, also the packaged 1.5B's prefill of an N-token
+prompt at gguf, the Q6_K rows kernels switched off and on in turn (three rounds each, the fastest
+kept).
 
     python tools/rows_kernels.py [--prefill 512]
 """
@@ -52,8 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     ops = load()
-    print("| matrix | rows | vec_dot ms | rows kernels ms | x | identical | repacked ms | x | row-invariant |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print("| matrix | rows | vec_dot ms | rows kernels ms | x | identical | repacked ms | x | row-invariant "
+          "| max diff / max vec_dot |\n|---|---|---|---|---|---|---|---|---|---|")
     for name, kind, n, k in SHAPES:
         w = ops.quantize(torch.randn(n, k), kind)
         packed = ops.repack(w, kind, k)
@@ -67,10 +68,12 @@ def main() -> None:
                 rt = ops.repacked_type(kind)
                 alone = torch.cat([ops.matmul(x[i : i + 1], [packed], [rt]) for i in range(m)])
                 invariant = torch.equal(ops.matmul(x, [packed], [rt]), alone)
+                want = ops.matmul(x, [w], [kind], by_vec_dot=True)
+                diff = ((alone - want).abs().max() / want.abs().max()).item()
                 rep = _time(lambda: ops.matmul(x, [packed], [rt]))
-                line += f" {rep:.2f} | {ref / rep:.2f} | {'yes' if invariant else 'NO'} |"
+                line += f" {rep:.2f} | {ref / rep:.2f} | {'yes' if invariant else 'NO'} | {diff:.1e} |"
             else:
-                line += " - | - | - |"
+                line += " - | - | - | - |"
             print(line)
     if args.prefill:
         prefill(args.prefill)

@@ -337,7 +337,7 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         const uint8_t* base_ptr = weights[i].data_ptr<uint8_t>();
         for (int64_t r = 0; r < out_rows[i]; r += kRowBlock) {
             const int64_t count = std::min(kRowBlock, out_rows[i] - r);
-            const RowsDot rows_dot = by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
+            const RowsDot rows_dot = packed || by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
                                          ? nullptr : rows_kernel(static_cast<ggml_type>(base[i]));
             blocks.push_back({base_ptr + (packed ? r / 8 : r) * rb, rb, n0 + r, count, t->vec_dot, rows_dot,
                               packed ? pack_kernel(base[i]) : nullptr,

@@ -140,27 +140,35 @@ def _quantised(model: torch.nn.Module, backend: str) -> CausalLM:
     return lm
 
 
+PROMPT = [3, 14, 15, 9, 2, 6, 5, 3]
+
+
+def assert_drafting_equals_plain(target: CausalLM, target_model: torch.nn.Module, label: object) -> list[int]:
+    """Chain and tree drafting (a noisy float copy as draft, depth >= 2 accepted) and prompt lookup on
+    ``target`` decode plain decoding's 40 tokens; returns them."""
+    draft = CausalLM(noisy_copy(target_model, 0.15, seed=6))
+    cfg = GenerationConfig(max_new_tokens=40)
+    want = Decoder(target).generate(PROMPT, cfg).tokens
+    for shape in (TreeShape((1, 1, 1, 1)), TreeShape((3, 2, 1))):
+        drafter = ModelDrafter(draft, target.dims.vocab, shape)
+        got = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1).generate(PROMPT, cfg)
+        assert got.tokens == want, (label, shape)
+        assert got.stats.drafted > 0 and sum(got.stats.accept_hist[2:]) > 0  # depth >= 2 accepted
+    lookup = Decoder(target, PromptLookupDrafter(max_ngram=3, min_ngram=1), 4, verify_width=5)
+    assert lookup.generate(PROMPT, cfg).tokens == want, label
+    return want
+
+
 @pytest.mark.parametrize("backend", ROW_INVARIANT)
 def test_tiny_speculation_equals_plain_at_the_same_precision(backend):
     """Chain, tree and layer-skip drafting on a quantised target, against plain decoding of that
     quantised target (not the float model: its tokens differ)."""
     target_model = tiny_model("qwen2", 5, layers=3)
     target = _quantised(target_model, backend)
-    draft = CausalLM(noisy_copy(target_model, 0.15, seed=6))
-    prompt = [3, 14, 15, 9, 2, 6, 5, 3]
-    cfg = GenerationConfig(max_new_tokens=40)
-    want = Decoder(target).generate(prompt, cfg).tokens
-    for shape in (TreeShape((1, 1, 1, 1)), TreeShape((3, 2, 1))):
-        drafter = ModelDrafter(draft, target.dims.vocab, shape)
-        got = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1).generate(prompt, cfg)
-        assert got.tokens == want, (backend, shape)
-        assert got.stats.drafted > 0 and sum(got.stats.accept_hist[2:]) > 0  # depth >= 2 accepted
+    want = assert_drafting_equals_plain(target, target_model, backend)
     skip = SelfDrafter(target, LayerPlan(3, skip_attn=(1,)), TreeShape((1, 1, 1)))
-    got = Decoder(target, skip, 3, verify_width=4).generate(prompt, cfg)
+    got = Decoder(target, skip, 3, verify_width=4).generate(PROMPT, GenerationConfig(max_new_tokens=40))
     assert got.tokens == want and got.stats.drafted > 0
-    lookup = Decoder(target, PromptLookupDrafter(max_ngram=3, min_ngram=1), 4, verify_width=5)
-    assert lookup.generate(prompt, cfg).tokens == want
-
 
 
 def test_speculation_equals_plain_on_repacked_q4_k_rows():
@@ -174,17 +182,7 @@ def test_speculation_equals_plain_on_repacked_q4_k_rows():
     target_model = tiny_model("qwen2", 5, layers=2, hidden=256)
     target = _quantised(target_model, "gguf")
     assert ops.repacked_type(12) in {t for lin in target.linears[0].values() for t in lin.types}
-    draft = CausalLM(noisy_copy(target_model, 0.15, seed=6))
-    prompt = [3, 14, 15, 9, 2, 6, 5, 3]
-    cfg = GenerationConfig(max_new_tokens=40)
-    want = Decoder(target).generate(prompt, cfg).tokens
-    for shape in (TreeShape((1, 1, 1, 1)), TreeShape((3, 2, 1))):
-        drafter = ModelDrafter(draft, target.dims.vocab, shape)
-        got = Decoder(target, drafter, len(shape.widths), verify_width=shape.max_nodes() + 1).generate(prompt, cfg)
-        assert got.tokens == want, shape
-        assert got.stats.drafted > 0 and sum(got.stats.accept_hist[2:]) > 0  # depth >= 2 accepted
-    lookup = Decoder(target, PromptLookupDrafter(max_ngram=3, min_ngram=1), 4, verify_width=5)
-    assert lookup.generate(prompt, cfg).tokens == want
+    assert_drafting_equals_plain(target, target_model, "gguf, Q4_K repacked")
 
 
 @pytest.mark.parametrize("backend", QUANTISED_ROW_INVARIANT)
