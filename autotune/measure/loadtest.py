@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import threading
 import time
@@ -303,6 +304,27 @@ def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
     return max(per_client * concurrency, min_requests)
 
 
+def _prompt_text(request: StreamRequest) -> str:
+    assert request.prompt.messages is not None  # guaranteed by StreamRequest
+    return "\n".join(f"{role}\n{content}" for role, content in request.prompt.messages)
+
+
+def warm_requests(requests: Sequence[StreamRequest], measured: int, n: int) -> list[StreamRequest]:
+    """The ``n`` warm-up requests: of those past the first ``measured`` (all of them where none are),
+    the ones whose prompt shares the shortest leading text with any measured prompt, in stream order
+    among equals. A server keeps a warm-up's prompt (our prefix cache is reset after it, llama-server's
+    slots are not), so a warm-up that opened like a measured request (GSM8K's few-shot examples) would
+    let that server skip the request's prefill."""
+    spare = list(requests[measured:]) or list(requests)
+    texts = [_prompt_text(r) for r in requests[:measured]]
+
+    def shared(request: StreamRequest) -> int:
+        text = _prompt_text(request)
+        return max((len(os.path.commonprefix([text, t])) for t in texts), default=0)
+
+    return sorted(spare, key=shared)[:n]  # sorted() is stable: stream order among equals
+
+
 def _warm(client: Any, model: str, warm: Sequence[StreamRequest], modes: Sequence[str]) -> None:
     """``warm``'s requests in every mode from one client, not measured."""
     for mode in modes:
@@ -366,8 +388,8 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
 
     Modes are measured side by side: at each concurrency, ``rounds`` passes of every mode in turn
     (``rotated``: each round starts one mode later), and a point pools its mode's passes. Before a
-    server's first point, ``warmup`` requests per mode from one client, not measured (taken from
-    past the largest point's requests where the stream has them): a fresh server's first requests
+    server's first point, ``warmup`` requests per mode from one client, not measured (``warm_requests``:
+    past the largest point's requests, opening least like them): a fresh server's first requests
     run slower (measured: plain at 1 client 5.4-7.5 tok/s as the first point of a run).
 
     No pass finds what an earlier pass left: the levels, rounds and modes repeat the same requests,
@@ -381,7 +403,7 @@ def load_test(servers: Sequence[tuple[str, str]], requests: Sequence[StreamReque
     requests = interleaved(requests)
     needed = max((len(first_requests(requests, point_size(level, per_client, min_requests))) for level in levels),
                  default=0)
-    warm = (requests[needed:] or requests)[:warmup]
+    warm = warm_requests(requests, needed, warmup)
     shared = dict(requests=requests, levels=levels, per_client=per_client, min_requests=min_requests,
                   rounds=rounds, progress=progress)
     points = []

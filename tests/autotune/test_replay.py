@@ -125,6 +125,23 @@ def test_each_load_pass_starts_on_a_reset_cache_and_sends_conversations_whole(
         ("plain", 1, 8, 2), ("auto", 1, 8, 2), ("plain", 2, 8, 2), ("auto", 2, 8, 2)]  # 4 requests a pass
 
 
+def test_the_warm_up_shares_the_least_prompt_with_the_measured_requests() -> None:
+    """A server keeps a warm-up's prompt (llama-server in a slot, for the whole pass): a warm-up
+    opening like a measured request (GSM8K's few-shot prefix) would skip that request's prefill
+    there. Power: the first spare request, the old choice, is the one that shares the prefix."""
+    from autotune.measure.loadtest import warm_requests
+
+    shots = "Question: 2 + 2? Answer: 4. " * 20
+    stream = [_request(0, "gsm8k", shots + "Question: 3 + 4?"), _request(1, "chat", "hello"),
+              _request(2, "gsm8k", shots + "Question: 5 + 6?"), _request(3, "chat", "Tell me a story"),
+              _request(4, "translation", "Translate: good morning")]
+    assert [r.index for r in warm_requests(stream, 2, 1)] == [3]  # not 2, which opens like request 0
+    assert [r.index for r in warm_requests(stream, 2, 2)] == [3, 4]  # equals in stream order
+    assert [r.index for r in warm_requests(stream, 2, 3)] == [3, 4, 2]
+    assert [r.index for r in warm_requests(stream, 5, 1)] == [1]  # no spare: the whole stream's least shared
+    assert warm_requests(stream, 2, 0) == []
+
+
 def test_a_load_point_sends_at_least_its_minimum() -> None:
     from autotune.measure.loadtest import point_size
 
