@@ -37,7 +37,9 @@ def add_parser(sub: Any) -> None:
                         "each round's tok/s, the point's noise")
     p.add_argument("--warmup", type=int, default=1, metavar="N",
                    help="before a server's first point, send N requests per mode from one client, not measured "
-                        "(default %(default)s; 0: none): a fresh server's first requests run slower")
+                        "(default %(default)s; 0: none): a fresh server's first requests run slower. They are the "
+                        "unmeasured requests whose prompts open least like a measured one, so no server finds a "
+                        "measured prompt's prefix cached by its warm-up")
     p.add_argument("--mode", default="plain,default,auto", help="comma list of auto, plain, default or stored "
                    "strategy ids (default %(default)s)")
     p.add_argument("--compare", metavar="MODE",
