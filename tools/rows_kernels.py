@@ -60,7 +60,8 @@ def main() -> None:
         packed = ops.repack(w, kind, k)
         for m in (1, 4, 8, 16, 64):
             x = torch.randn(m, k)
-            same = torch.equal(ops.matmul(x, [w], [kind]), ops.matmul(x, [w], [kind], by_vec_dot=True))
+            want = ops.matmul(x, [w], [kind], by_vec_dot=True)
+            same = torch.equal(ops.matmul(x, [w], [kind]), want)
             ref = _time(lambda: ops.matmul(x, [w], [kind], by_vec_dot=True))
             rows = _time(lambda: ops.matmul(x, [w], [kind]))
             line = f"| {name} {n}x{k} | {m} | {ref:.2f} | {rows:.2f} | {ref / rows:.2f} | {'yes' if same else 'NO'} |"
@@ -68,7 +69,6 @@ def main() -> None:
                 rt = ops.repacked_type(kind)
                 alone = torch.cat([ops.matmul(x[i : i + 1], [packed], [rt]) for i in range(m)])
                 invariant = torch.equal(ops.matmul(x, [packed], [rt]), alone)
-                want = ops.matmul(x, [w], [kind], by_vec_dot=True)
                 diff = ((alone - want).abs().max() / want.abs().max()).item()
                 rep = _time(lambda: ops.matmul(x, [packed], [rt]))
                 line += f" {rep:.2f} | {ref / rep:.2f} | {'yes' if invariant else 'NO'} | {diff:.1e} |"

@@ -41,6 +41,7 @@ from functools import partial
 from typing import Any
 
 from autotune.measure.replay import ReplayClient, ReplaySettings
+from studies.prompt import render_prompt
 from studies.stream import StreamRequest
 from studies.stream_request import conversations
 
@@ -304,11 +305,6 @@ def point_size(concurrency: int, per_client: int, min_requests: int) -> int:
     return max(per_client * concurrency, min_requests)
 
 
-def _prompt_text(request: StreamRequest) -> str:
-    assert request.prompt.messages is not None  # guaranteed by StreamRequest
-    return "\n".join(f"{role}\n{content}" for role, content in request.prompt.messages)
-
-
 def warm_requests(requests: Sequence[StreamRequest], measured: int, n: int) -> list[StreamRequest]:
     """The ``n`` warm-up requests: of those past the first ``measured`` (all of them where none are),
     the ones whose prompt shares the shortest leading text with any measured prompt, in stream order
@@ -316,10 +312,10 @@ def warm_requests(requests: Sequence[StreamRequest], measured: int, n: int) -> l
     slots are not), so a warm-up that opened like a measured request (GSM8K's few-shot examples) would
     let that server skip the request's prefill."""
     spare = list(requests[measured:]) or list(requests)
-    texts = [_prompt_text(r) for r in requests[:measured]]
+    texts = [render_prompt(r.prompt, None) for r in requests[:measured]]
 
     def shared(request: StreamRequest) -> int:
-        text = _prompt_text(request)
+        text = render_prompt(request.prompt, None)
         return max((len(os.path.commonprefix([text, t])) for t in texts), default=0)
 
     return sorted(spare, key=shared)[:n]  # sorted() is stable: stream order among equals
