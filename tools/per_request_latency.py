@@ -17,7 +17,7 @@ import sys
 import time
 
 from autotune.measure.loadtest import first_requests, interleaved
-from autotune.measure.openai_client import request_body
+from autotune.measure.openai_client import read_stream, request_body
 from autotune.measure.replay import ReplayClient, ReplaySettings, _httpx
 from studies.stream import mixed_stream
 
@@ -25,22 +25,17 @@ MAX_TOKENS = 96
 
 
 def streamed(url: str, model: str, request) -> dict:
-    """One streamed request on a fresh connection (llama-server closes a streamed one after it)."""
+    """One streamed request on a fresh connection (on one kept-alive connection llama-server dropped
+    the request after a streamed one, in this tool's first runs)."""
     with _httpx().Client(base_url=url, timeout=900) as http:
-        sent, first, usage = time.perf_counter(), None, {}
+        sent = time.perf_counter()
         with http.stream("POST", "/v1/chat/completions", json=request_body(model, request, MAX_TOKENS)) as resp:
             if resp.status_code != 200:
                 raise SystemExit(f"{url}: HTTP {resp.status_code}: {resp.read()[:200]!r}")
-            for line in resp.iter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                    first = time.perf_counter()
-                usage = chunk.get("usage") or usage
+            rec = read_stream(resp.iter_lines(), sent, f"{url} {request.prompt.id}")
         end = time.perf_counter()
-    return dict(prompt=usage.get("prompt_tokens"), tokens=usage.get("completion_tokens"),
-                ttft=round((first or end) - sent, 2), latency=round(end - sent, 2))
+    return dict(prompt=rec.prompt_tokens, tokens=rec.completion_tokens, ttft=round(rec.ttft_s, 2),
+                latency=round(end - sent, 2))
 
 
 def ours(url: str, mode: str, requests, warm) -> list[dict]:

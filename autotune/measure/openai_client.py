@@ -23,6 +23,7 @@ class PlainRecord:
 
     completion_tokens: int
     ttft_s: float
+    prompt_tokens: int | None = None  # the final chunk's usage.prompt_tokens, where the server reports it
 
 
 def request_body(model: str, request: StreamRequest, max_tokens: int) -> dict[str, Any]:
@@ -36,6 +37,7 @@ def read_stream(lines: Any, sent: float, what: str) -> PlainRecord:
     """The server-sent events of one streamed completion -> its record (``sent``: perf_counter at sending)."""
     first: float | None = None
     tokens: int | None = None
+    prompt: int | None = None
     for line in lines:
         if not line.startswith("data:"):
             continue
@@ -52,9 +54,11 @@ def read_stream(lines: Any, sent: float, what: str) -> PlainRecord:
         usage = chunk.get("usage")
         if isinstance(usage, dict) and "completion_tokens" in usage:
             tokens = int(usage["completion_tokens"])
+            prompt = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
     if tokens is None:
         raise RemoteError(f"{what}: the stream ended without usage.completion_tokens")
-    return PlainRecord(completion_tokens=tokens, ttft_s=(first if first is not None else time.perf_counter()) - sent)
+    return PlainRecord(completion_tokens=tokens, ttft_s=(first if first is not None else time.perf_counter()) - sent,
+                       prompt_tokens=prompt)
 
 
 class PlainClient:

@@ -260,6 +260,13 @@ def test_the_plain_client_sends_openai_requests_without_our_extension() -> None:
     assert body["messages"] == [{"role": "user", "content": "def f():"}]
 
 
+def test_the_stream_reads_the_prompt_tokens_where_the_usage_has_them() -> None:
+    done = "data: [DONE]"
+    both = read_stream(['data: {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 9}}', done], 0.0, "r")
+    assert (both.completion_tokens, both.prompt_tokens) == (3, 9)
+    assert read_stream(['data: {"choices": [], "usage": {"completion_tokens": 3}}', done], 0.0, "r").prompt_tokens is None
+
+
 def test_a_stream_without_usage_or_an_http_error_is_a_remote_error() -> None:
     with pytest.raises(RemoteError, match="without usage.completion_tokens"):
         read_stream(['data: {"choices": []}', "data: [DONE]"], 0.0, "request 0")
