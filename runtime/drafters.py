@@ -1,20 +1,24 @@
-"""Drafting models (a draft model, or the target skipping layers). The contract they implement
-(``Draft``, ``Drafter`` and the capabilities they declare) is ``runtime.draft``; their tree shapes
-are ``runtime.draft_shapes``, their tree proposals ``runtime.tree_drafting``."""
+"""Drafting models (a draft model, or the target skipping layers): the Drafter-protocol object
+that owns the draft model's cache for a sequence (``ModelDrafter``) and hands each round to a
+round drafter - chains ``runtime.chain_drafting``, trees ``runtime.tree_drafting``, either
+wrapped by ``runtime.lookup_first``. The contract is ``runtime.draft``."""
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 import torch
 
+from runtime.chain_drafting import ChainDrafter
 from runtime.draft import CatchesUp, Draft, DraftSteps, Forward, KeepsRows, Narrows, Stepped, drive
-from runtime.draft_shapes import StaticLayout, TreeShape, pad_vocab, static_layout, tree_shape
+from runtime.draft_rounds import DraftRound, RoundDrafter
+from runtime.draft_shapes import StaticLayout, TreeShape, static_layout, tree_shape
 from runtime.kv_cache import KVCache
 from runtime.lookup import PromptLookupDrafter
+from runtime.lookup_first import LookupFirst
 from runtime.prefix_cache import PrefixCache
-from runtime.sampling import SamplingParams, logits_to_probs, reuse_or_draw, sample
+from runtime.sampling import SamplingParams
 from runtime.transformer import CausalLM
-from runtime.tree_drafting import DraftRound, TreeDrafting
+from runtime.tree_drafting import TreeDrafter
 from search_spaces.layer_plan import LayerPlan
 from search_spaces.strategy import LOOKUP_FIRST_MIN_NGRAM, Strategy
 
@@ -23,29 +27,20 @@ __all__ = [
 ]
 
 
-class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
+class ModelDrafter(Stepped, CatchesUp, Narrows, KeepsRows):
     """Drafts a chain or a token tree with a smaller model of the same family (own KV cache).
 
-    Each depth is one draft forward over all frontier nodes with a tree attention mask
-    (``TreeDrafting``). It declares the optional capabilities ``Stepped``, ``CatchesUp``,
-    ``Narrows`` and ``KeepsRows`` (``runtime.draft``). The cache
-    holds a prefix of the committed sequence plus this round's drafted rows; ``pending`` are
-    committed tokens the draft has not seen yet.
+    It owns the sequence's draft state - the cache (a prefix of the committed sequence plus this
+    round's drafted rows), ``pending`` committed tokens the draft has not seen yet, the prompt-lookup
+    index - and each round hands it to a round drafter chosen by the round's shape: a
+    ``ChainDrafter`` or a ``TreeDrafter``, wrapped by ``LookupFirst`` with ``lookup_first``.
+    Switching strategies (``reconfigure``) keeps the state and picks the round drafter anew.
 
     With a layer ``plan`` the drafted rows run under it (fuzzy groups, skipped sub-layers). With
     ``calibrate`` (EasySpec bonus calibration) every drafted row is discarded after verification
     and the committed tokens (accepted + bonus) are re-run exactly in one forward, whose last
     logits give the next round's first draft token; without it, the accepted rows' fuzzy K/V
     are kept and the remaining tokens run under the plan too.
-
-    With ``lookup_first`` a round first tries prompt lookup over the sequence (an n-gram index it
-    keeps in any case, so a switch needs no rebuild) where ``LOOKUP_FIRST_MIN_NGRAM`` or more
-    tokens recur. A chain checks the copied continuation with the model (``_propose_checked``):
-    the catch-up forward also runs the copy, each copied token is kept while the model would have
-    drafted it, and the model drafts on from the first it would not have - the same draft (greedy;
-    the same distribution when sampling) for fewer sequential draft forwards. A tree's round takes
-    the copy alone as its draft (deterministic, ``q=None``) and the model drafts nothing; the
-    committed tokens then wait as ``pending`` for its next catch-up.
     """
 
     def __init__(
@@ -55,8 +50,8 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
         self.model = model
         self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, max_ngram=LOOKUP_FIRST_MIN_NGRAM)
         self.lookup_first = lookup_first
-        self.lookup_rounds = 0  # rounds that started from a lookup copy (``lookup_first``)
-        self.copied_kept = 0  # copied tokens a chain's check kept: draft forwards saved
+        self.chain, self.tree = ChainDrafter(), TreeDrafter()
+        self.copying_chain, self.copying_tree = LookupFirst(self.lookup, self.chain), LookupFirst(self.lookup, self.tree)
         self.target_vocab = target_vocab
         self.shape = shape
         self.width_cap: int | None = None  # children per node this round at most (None: the shape's)
@@ -69,6 +64,16 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
         # the tokens whose exact K/V fill the cache's leading rows: the next prompt's common
         # prefix with them is kept instead of prefilled again (few-shot prompts share theirs)
         self.exact_rows: list[int] = []
+
+    @property
+    def lookup_rounds(self) -> int:
+        """Rounds that started from a lookup copy (``lookup_first``)."""
+        return self.copying_chain.rounds + self.copying_tree.rounds
+
+    @property
+    def copied_kept(self) -> int:
+        """Copied tokens a chain's check kept: draft forwards saved."""
+        return self.chain.copied_kept
 
     def reconfigure(self, strategy: Strategy) -> None:
         """Draft with ``strategy``'s tree, layer plan and calibration from the next round on,
@@ -176,42 +181,24 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
         self.round = DraftRound()
         if k == 0:
             return Draft(torch.empty(0, dtype=torch.long), None, ())
-        full, self.shape = self.shape, (self.shape.narrowed(self.width_cap) if self.shape else None)
-        try:
-            return (yield from self._propose_shaped(k, params, generator))
-        finally:
-            self.shape = full
+        shape = (self.shape or TreeShape(widths=(1,) * k)).narrowed(self.width_cap)
+        return (yield from self._round_drafter(shape).propose(self, shape, k, params, generator))
 
-    def _propose_shaped(self, k: int, params: SamplingParams, generator: torch.Generator) -> DraftSteps:
-        copy: list[int] = []
-        if self.lookup_first:
-            copied = self.lookup.propose(k, params, generator)
-            if copied.tokens.numel():
-                self.lookup_rounds += 1
-                if not self.checks_copies:
-                    return copied  # the model drafts nothing: ``observe`` queues the round's tokens
-                copy = copied.tokens.tolist()
-        # what a round appends at most: the deepest draft the shape allows, + 1
-        self.catch_up_width = max(self.catch_up_width, (len(self.shape.widths) if self.shape else k) + 1)
-        if copy:
-            return (yield from self._propose_checked(copy, k, params, generator))
-        logits = yield from self._catch_up()  # [1, Vd]
-        self.round.base = self.cache.length
-        shape = self.shape or TreeShape(widths=(1,) * k)
-        widths = shape.widths[: min(k, len(shape.widths))]
-        if shape.dynamic is None and shape.threshold <= 0:
-            return (yield from self._propose_static(widths, logits, params, generator))
-        return (yield from self._propose_adaptive(shape, len(widths), logits, params, generator))
+    def _round_drafter(self, shape: TreeShape) -> RoundDrafter:
+        if shape.is_chain:
+            return self.copying_chain if self.lookup_first else self.chain
+        return self.copying_tree if self.lookup_first else self.tree
 
-    def _catch_up(self, copy: list[int] | None = None) -> Generator[Forward, torch.Tensor, torch.Tensor]:
+    def catch_up(self, depth: int, copy: Sequence[int] = ()) -> Generator[Forward, torch.Tensor, torch.Tensor]:
         """Run the committed tokens the draft has not seen -> the last one's logits ``[1, Vd]``;
         with ``copy`` (a lookup copy to check) its tokens run after them in the same forward ->
         ``[1 + len(copy), Vd]``, row ``d`` predicting copy token ``d`` (the last, the token after
-        the copy). Compiled, the rows are padded to a fixed width (the draft length + 1, twice
-        that with a copy) and the padding rolled back, so the step keeps one of two shapes."""
-        copy = copy or []
+        the copy). Compiled, the rows are padded to a fixed width (the deepest ``depth`` drafted
+        yet + 1, twice that with a copy) and the padding rolled back, so the step keeps one of two
+        shapes."""
+        self.catch_up_width = max(self.catch_up_width, depth + 1)
         n = len(self.pending)
-        ids = torch.tensor(self.pending + copy, dtype=torch.long, device=self.model.device)
+        ids = torch.tensor(self.pending + list(copy), dtype=torch.long, device=self.model.device)
         plan = None if self.calibrate else self.plan  # calibration: exact K/V for committed tokens
         if plan is None and self.cache.length == len(self.exact_rows):
             self.exact_rows.extend(self.pending)
@@ -231,53 +218,6 @@ class ModelDrafter(TreeDrafting, Stepped, CatchesUp, Narrows, KeepsRows):
     def checks_copies(self) -> bool:
         """Whether a lookup copy is checked by the model (chains) or drafted alone (trees)."""
         return self.shape is None or self.shape.is_chain
-
-    def _propose_checked(self, copy: list[int], k: int, params: SamplingParams, gen: torch.Generator) -> DraftSteps:
-        """A chain round from a lookup copy. One forward runs the pending tokens and the copy;
-        depth by depth, the copied token is kept where the model would have drafted it (greedy:
-        it is the argmax; sampling: ``reuse_or_draw``, so each depth is still drawn from the
-        draft's own distribution ``q``), and from the first depth where it is not, the copy's
-        rows are rolled back and the model drafts on as usual (threshold included). Greedy, the
-        draft is token for token the one the model alone would propose; each kept token saves
-        one sequential draft forward. ``copied_kept`` counts them."""
-        shape = self.shape or TreeShape(widths=(1,) * k)
-        depth_max = min(k, len(shape.widths))
-        copy = copy[:depth_max]
-        rows = yield from self._catch_up(copy)  # [len(copy) + 1, Vd]
-        rnd = self.round
-        rnd.base = self.cache.length - len(copy)
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        logits = rows[0]
-        copying = True
-        for depth in range(depth_max):
-            if depth > 0 and shape.threshold > 0 and float(torch.softmax(logits, -1).max()) < shape.threshold:
-                break
-            q = logits_to_probs(logits, params)  # [Vd]
-            if copying and depth < len(copy) and copy[depth] < q.shape[-1]:
-                tok, kept = reuse_or_draw(q, copy[depth], gen)
-            else:
-                tok = int(torch.argmax(q)) if params.greedy else int(sample(q, gen))
-                kept = False
-            tokens.append(tok)
-            if not params.greedy:
-                qs.append(q)
-            if kept:  # its row is the copy's: the next depth's logits are already computed
-                rnd.slot[depth] = depth
-                self.copied_kept += 1
-                logits = rows[depth + 1]
-                continue
-            if copying:
-                copying = False
-                self.cache.rollback(rnd.base + depth)  # the copy's rows from here on are not the draft's
-            if depth + 1 == depth_max:
-                break
-            logits = (yield Forward(self.model, torch.tensor([tok], device=self.model.device), self.cache,
-                                    plan=self.plan)).float()[0]
-            rnd.slot[depth] = depth
-        self.cache.rollback(rnd.base + len(rnd.slot))  # kept copy rows past a threshold stop
-        q_all = None if params.greedy else pad_vocab(torch.stack(qs), self.target_vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.model.device), q_all, None)
 
     def observe(self, n_accepted: int, new_tokens: list[int], path: list[int] | None = None) -> None:
         self.lookup.observe(n_accepted, new_tokens)

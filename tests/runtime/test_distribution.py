@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+import runtime.chain_drafting
 import runtime.decoding
-import runtime.drafters
 import runtime.sampling
 import runtime.tree_verify
 from runtime.batching import Member, batch_round
@@ -377,7 +377,7 @@ def test_harness_rejects_a_wrong_rule_in_a_batch(models, monkeypatch):
 def test_harness_rejects_a_lookup_check_that_always_keeps_the_copy(models, monkeypatch):
     """A chain's lookup check that keeps every copied token (yet reports the draft's q, as the
     correct check may) proposes tokens not drawn from q: the harness must reject it."""
-    monkeypatch.setattr(runtime.drafters, "reuse_or_draw", lambda q, proposed, gen: (proposed, True))
+    monkeypatch.setattr(runtime.chain_drafting, "reuse_or_draw", lambda q, proposed, gen: (proposed, True))
     case = _lookup_first(CHAIN)(models, monkeypatch)
     exact, got = _run(case)
     assert got.stats.drafted > 0 and case.decoder.drafter.lookup_rounds > 0
