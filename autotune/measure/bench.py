@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +18,7 @@ from autotune.measure import peers
 from autotune.measure.methods import (
     HF_METHODS, METHODS, STRATEGY_METHODS, BenchContext, MethodSpec, parse_method,
 )
+from autotune.timing import Stopwatch
 
 
 @dataclass
@@ -52,10 +52,10 @@ def run_bench(
         warm_prompts, warm = compile_prompts(prompts, cfg.max_new_tokens, widths), cfg
     compile_s = {}
     for name, runner in runners.items():
-        started = time.perf_counter()
-        for prompt in warm_prompts:
-            runner(prompt, warm)
-        compile_s[name] = time.perf_counter() - started
+        with Stopwatch() as compiling:
+            for prompt in warm_prompts:
+                runner(prompt, warm)
+        compile_s[name] = compiling.seconds
     compiled_during = dict.fromkeys(methods, 0)
     totals = {name: MethodTotals() for name in methods}
     with tqdm(total=len(prompts) * len(methods), desc="bench", unit="run") as bar:

@@ -4,7 +4,6 @@ peers on the same GGUF files (``autotune.measure.peers``); and how a method is w
 command line (``name:opt:opt``, ``parse_method``)."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from search_spaces.strategy import DEFAULT_TREE_WIDTHS, PLAIN, Strategy
 
 from autotune.errors import MethodError
 from autotune.measure import peers
+from autotune.timing import Stopwatch
 
 
 @dataclass
@@ -64,12 +64,10 @@ def _hf(ctx: BenchContext, assistant: LoadedModel | None = None, static: bool = 
         if static:
             cache_len = static_cache_len(len(prompt), cfg.max_new_tokens)
             kwargs.update(cache_implementation="static", max_cache_len=cache_len)
-        start = time.perf_counter()
-        with torch.inference_mode():
+        with Stopwatch() as generating, torch.inference_mode():
             out = model.generate(ids, **kwargs)
-        wall = time.perf_counter() - start
         tokens = out[0, len(prompt):].tolist()
-        stats = DecodeStats(new_tokens=len(tokens), wall_s=wall)
+        stats = DecodeStats(new_tokens=len(tokens), wall_s=generating.seconds)
         return MethodRun(tokens, stats)
 
     return run

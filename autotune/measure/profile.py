@@ -9,9 +9,10 @@ forward (``runtime.transformer.CausalLM``): the cost model's own terms, measured
   there is none) under a layer plan: none (every layer in order), and EasySpec's layer-parallel plan
   for each LP size.
 
-c = draft step / plain target step (Leviathan et al. 3.3). Each step is timed with
-``torch.utils.benchmark.Timer.blocked_autorange`` after one warm-up call; the timer synchronises the
-accelerator before reading the clock, so CUDA timings are kernel time, not launch time. The KV prefix
+c = draft step / plain target step (Leviathan et al. 3.3). Each step is timed by
+``autotune.timing.time_blocked`` (``torch.utils.benchmark``'s blocked runs after one warm-up call),
+which synchronises the accelerator before reading the clock, so CUDA timings are kernel time, not
+launch time. The KV prefix
 is zeros (timing only: its contents do not change the cost), as in ``autotune.tuning.cost_model``.
 """
 from __future__ import annotations
@@ -21,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.benchmark import Timer
 
 from autotune.errors import SettingError
 from autotune.measure.profile_settings import ProfileSettings
+from autotune.timing import time_blocked
 from runtime.kv_cache import KVCache
 from runtime.loading import LoadedModel, prepare_backend
 from runtime.pipeline import ModelPool, verify_packing
@@ -47,19 +48,6 @@ class StepTime:
     backend: str = "dense"  # linear backend of the projections
     groups: list[list[int]] = field(default_factory=list)  # the plan's layer-parallel groups
     c: float | None = None  # draft step / plain target step
-
-
-def time_step(fn: Callable[[], object], min_run_time: float, min_blocks: int = 3) -> tuple[float, float, int]:
-    """-> (median s, interquartile range s, timed calls) of ``fn`` after one warm-up call: blocks of
-    calls for at least ``min_run_time`` seconds and at least ``min_blocks`` blocks (slow steps)."""
-    fn()  # warm: lazily built state (stacked group weights, RoPE tables, allocator) stays out
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    per_call = list(m.times)  # seconds per call, one entry per block
-    while len(per_call) < min_blocks:
-        per_call.extend(timer.timeit(m.number_per_run).times)
-    q = torch.tensor(per_call, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64))
-    return float(q[1]), float(q[2] - q[0]), m.number_per_run * len(per_call)
 
 
 def prefix_cache(lm: CausalLM, context: int, rows: int) -> KVCache:
@@ -90,9 +78,9 @@ def _timed(
     if s.compile and not lm.is_compiled:
         lm.compile_steps()
     step = forward_step(lm, s.context, rows, plan, all_logits=kind != "draft")
-    median, iqr, runs = time_step(step, s.min_run_time)
+    timing = time_blocked(step, s.min_run_time)
     groups = [list(g) for g in plan.groups] if plan is not None else []
-    return StepTime(kind, model, rows, label, 1e3 * median, 1e3 * iqr, runs, lm.backend, groups)
+    return StepTime(kind, model, rows, label, 1e3 * timing.median, 1e3 * timing.iqr, timing.calls, lm.backend, groups)
 
 
 def served_lm(model: LoadedModel, draft: bool = False, compiled: bool = False) -> CausalLM:

@@ -4,13 +4,13 @@ the batched-step profile (``start_up``, in that order), so no request pays for t
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from autotune.serving.costs import draft_key
+from autotune.timing import Stopwatch
 from autotune.tuning.load import DraftCost, StepCost
 from autotune.tuning.steps import batch_sizes, choose_row_ways, step_shapes, time_steps
 from runtime.decoding import GenerationConfig
@@ -80,17 +80,17 @@ def warm_up(worker: DecodeWorker, strategies: list[Strategy], tokens: int = 24) 
     """Decode a short dummy prompt with each servable strategy, as a request would (``acquire``:
     with K/V slots a lone request's steps run on its slot, whose graphs a decode on a cache of its
     own would not build) -> seconds spent."""
-    started = time.perf_counter()
     prompt = list(range(1, 9))
     decoders = worker.decoders
-    for strategy in dict.fromkeys([PLAIN, *strategies]):
-        if decoders.servable(strategy) is None:
-            dec = decoders.acquire(strategy)
-            try:
-                dec.generate(prompt, GenerationConfig(max_new_tokens=tokens))
-            finally:
-                decoders.release(strategy, dec)
-    return time.perf_counter() - started
+    with Stopwatch() as warming:
+        for strategy in dict.fromkeys([PLAIN, *strategies]):
+            if decoders.servable(strategy) is None:
+                dec = decoders.acquire(strategy)
+                try:
+                    dec.generate(prompt, GenerationConfig(max_new_tokens=tokens))
+                finally:
+                    decoders.release(strategy, dec)
+    return warming.seconds
 
 
 def compile_buckets(worker: DecodeWorker) -> float:
@@ -99,16 +99,16 @@ def compile_buckets(worker: DecodeWorker) -> float:
     slots = worker.decoders.slots
     if slots is None:
         return 0.0
-    started = time.perf_counter()
     lm, holder = worker.decoders.batch_target(), object()
-    for rows in [b for b in ROW_BUCKETS if b <= bucket_limit(worker)]:
-        cache = slots.take(holder, rows)
-        if cache is None:
-            break
-        with torch.inference_mode():
-            lm.forward_batch([BatchPart(torch.zeros(rows, dtype=torch.long, device=lm.device), cache)])
-    slots.give_back(holder)
-    return time.perf_counter() - started
+    with Stopwatch() as compiling:
+        for rows in [b for b in ROW_BUCKETS if b <= bucket_limit(worker)]:
+            cache = slots.take(holder, rows)
+            if cache is None:
+                break
+            with torch.inference_mode():
+                lm.forward_batch([BatchPart(torch.zeros(rows, dtype=torch.long, device=lm.device), cache)])
+        slots.give_back(holder)
+    return compiling.seconds
 
 
 def profile_steps(worker: DecodeWorker) -> None:

@@ -19,14 +19,12 @@ from the timings the decoder records while it decodes with the incumbent strateg
 """
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from autotune.timing import Stopwatch, time_calls
 from runtime.transformer import CausalLM
 from search_spaces.layer_plan import LayerPlan
 
@@ -50,25 +48,6 @@ class CostModel(Protocol):
     def observe_plain(self, measured_s: float) -> None: ...
 
 
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued kernels (on CUDA a forward returns once its kernels are launched)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], repeats: int, device: torch.device = torch.device("cpu"), warm: bool = True) -> float:
-    if warm:
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync_device(device)
-        t0 = time.perf_counter()
-        fn()
-        sync_device(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def forward_seconds(lm: CausalLM, rows: int, context: int, repeats: int = 5, every_logit: bool = False) -> float:
     """One forward of ``rows`` tokens after ``context`` cached ones (median of ``repeats``, after a
     warm-up call); the cache contents are zeros (timing only). ``every_logit``: the head on every
@@ -76,12 +55,14 @@ def forward_seconds(lm: CausalLM, rows: int, context: int, repeats: int = 5, eve
     cache = lm.new_cache(context + rows + 1)
     ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
 
-    def step() -> None:
+    def rewind() -> None:
         cache.length = context
+
+    def step() -> None:
         with torch.inference_mode():
             lm(ids, cache, logits_for=None if every_logit else slice(-1, None))
 
-    return _timed(step, repeats, torch.device(lm.device))
+    return time_calls(step, repeats, lm.device, setup=rewind).median
 
 
 @dataclass
@@ -105,7 +86,12 @@ class MeasuredCostModel:
     _width: dict[int, float] = field(default_factory=dict)  # unpadded verifies: seconds by row count
     _plain: float | None = None
     _full: float | None = None  # one exact single-row draft forward (``_full_s``)
-    calibration_s: float = 0.0
+    _calibrating: Stopwatch = field(default_factory=Stopwatch)
+
+    @property
+    def calibration_s(self) -> float:
+        """Seconds spent timing forwards so far (one-time: the timings are kept in the store)."""
+        return self._calibrating.seconds
 
     def _forward_s(self, lm: CausalLM, rows: int, plan: LayerPlan | None, best_of: int = 1,
                    every_logit: bool = False) -> float:
@@ -113,20 +99,20 @@ class MeasuredCostModel:
         the least of ``best_of`` such timings: noise only ever adds time). ``every_logit``: the
         head runs on every row, as a verify's does (a draft step needs its last row's only); on a
         1.5B target with a 152k vocabulary that is ~25% of a 13-row verify."""
-        t0 = time.perf_counter()
-        cache = lm.new_cache(self.context + rows + 1)
-        cache.length = self.context  # timing only: the contents do not matter
-        ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
+        with self._calibrating:
+            cache = lm.new_cache(self.context + rows + 1)
+            ids = torch.zeros(rows, dtype=torch.long, device=lm.device)
 
-        def step() -> None:
-            cache.length = self.context
-            with torch.inference_mode():
-                lm(ids, cache, plan=plan, logits_for=None if every_logit else slice(-1, None))
+            def rewind() -> None:
+                cache.length = self.context  # timing only: the contents do not matter
 
-        # one untimed warm-up (when asked) before the first timing only: it already pays the first-call costs
-        out = min(_timed(step, self.repeats, torch.device(lm.device), self.warm and i == 0) for i in range(best_of))
-        self.calibration_s += time.perf_counter() - t0
-        return out
+            def step() -> None:
+                with torch.inference_mode():
+                    lm(ids, cache, plan=plan, logits_for=None if every_logit else slice(-1, None))
+
+            # one untimed warm-up (when asked) before the first timing only: it pays the first-call costs
+            return min(time_calls(step, self.repeats, lm.device, self.warm and i == 0, rewind).median
+                       for i in range(best_of))
 
     def _full_s(self) -> float:
         """One exact single-row draft forward, timed once: all a plan without skipped sub-layers needs."""

@@ -3,12 +3,11 @@ on this machine (``CausalLM.forward_batch`` over caches holding ``context`` toke
 profile of the serving worker's step cost and of ``measure``'s batch schedules."""
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
-from autotune.tuning.cost_model import sync_device
+from autotune.timing import time_calls
 from runtime.linear import ROW_WAYS
 from runtime.slots import SlotCache
 from runtime.transformer import BatchPart, CausalLM
@@ -48,17 +47,13 @@ def time_steps(lm: CausalLM, shapes: Sequence[tuple[int, int]], context: int = P
                 if any(c is None for c in caches):
                     raise ValueError(f"{seqs} sequences need {seqs} free slots; the slot cache has {slots.free}")
             parts = [BatchPart(torch.zeros(n, dtype=torch.long, device=lm.device), c) for n, c in zip(per, caches)]
-            best = float("inf")
+
+            def rewind() -> None:
+                for cache in caches:
+                    cache.length = held
+
             try:
-                for attempt in range(repeats + 1):
-                    for cache in caches:
-                        cache.length = held
-                    sync_device(lm.device)
-                    started = time.perf_counter()
-                    lm.forward_batch(parts)
-                    sync_device(lm.device)
-                    if attempt:
-                        best = min(best, time.perf_counter() - started)
+                best = time_calls(lambda: lm.forward_batch(parts), repeats, lm.device, setup=rewind).best
             finally:
                 for h in holders:
                     slots.give_back(h)

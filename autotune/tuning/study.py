@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from autotune.errors import SettingError, StorageError
 from autotune.store.records import ResultMetrics, StrategyKey
 from autotune.store.resolve import strategy_key
+from autotune.timing import Stopwatch
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.candidates import price_text, runner_ups
 from autotune.tuning.heldout import Candidate, Verdict, choose, judge_on, plain_candidate, split_prompts
@@ -317,18 +317,17 @@ def _tune(
     stats = DecodeStats()
     plain_decoder = build_decoder(pool, target, PLAIN) if baseline else None
     base = Baseline(DecodeStats(), DecodeStats(), True) if baseline else None
-    tune_wall = 0.0
+    tune_wall = Stopwatch()
     with tqdm(total=len(prompts), desc=f"study {setup.space.name}", unit="prompt", disable=not progress) as bar:
         for i, ids in enumerate(prompts):
             # the baseline decodes before the tuning decoder on even prompts and after it on odd
             # ones, so an effect of going first or second (the machine's speed drifts) cancels
             plain_first = plain_decoder is not None and i % 2 == 0
             plain_run = plain_decoder.generate(ids, cfg) if plain_first else None
-            start = time.perf_counter()
-            tuner.start_prompt(len(ids))
-            result = decoder.generate(ids, cfg, before_round=tuner.before_round)
-            tuner.end_prompt(ids + result.tokens, result.stats, flush=False)
-            tune_wall += time.perf_counter() - start
+            with tune_wall:
+                tuner.start_prompt(len(ids))
+                result = decoder.generate(ids, cfg, before_round=tuner.before_round)
+                tuner.end_prompt(ids + result.tokens, result.stats, flush=False)
             if plain_decoder is not None and not plain_first:
                 plain_run = plain_decoder.generate(ids, cfg)
             stats = stats.merge(result.stats)
@@ -337,10 +336,10 @@ def _tune(
                 base.identical &= plain_run.tokens == result.tokens
             bar.update(1)
             bar.set_postfix_str(f"trials {tuner.state.trials} incumbent {tuner.state.best_score:.2f} tok/s")
-    started = time.perf_counter()
-    tuner.flush()  # the trials to the RDB study, once (between prompts it was a third of the allowance)
-    tuner.state.flush_s = time.perf_counter() - started
-    tuning_share = tuner.state.tuning_s / tune_wall if tune_wall else 0.0  # per window: one-time costs apart
+    with Stopwatch() as flushing:
+        tuner.flush()  # the trials to the RDB study, once (between prompts it was a third of the allowance)
+    tuner.state.flush_s = flushing.seconds
+    tuning_share = tuner.state.tuning_s / tune_wall.seconds if tune_wall.seconds else 0.0  # per window: one-time costs apart
     return stats, base, tuning_share
 
 

@@ -148,14 +148,14 @@ def test_hf_static_is_identical_to_hf(tmp_path):
 
 def test_cost_model_timing_waits_for_cuda_kernels(monkeypatch):
     """On CUDA a forward returns at launch: the cost model's clock reads sit between synchronisations."""
-    from autotune.tuning.cost_model import _timed
+    from autotune.timing import time_calls
 
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
-    _timed(lambda: calls.append("step"), repeats=2, device=torch.device("cuda", 0))
+    time_calls(lambda: calls.append("step"), repeats=2, device=torch.device("cuda", 0))
     assert calls == ["step"] + ["sync", "step", "sync"] * 2  # warm-up, then each timed step fenced
     calls.clear()
-    _timed(lambda: calls.append("step"), repeats=2, device=torch.device("cpu"))
+    time_calls(lambda: calls.append("step"), repeats=2, device=torch.device("cpu"))
     assert calls == ["step"] * 3
 
 

@@ -9,7 +9,6 @@ request's, on the decode thread) took on average.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable, Sequence
 from unittest import mock
 
@@ -17,6 +16,7 @@ from sklearn.metrics import adjusted_rand_score
 
 from autotune.serving.adaptive import clusters
 from autotune.serving.adaptive.clusters import PendingClusters
+from autotune.timing import Stopwatch
 
 UNKNOWN_TASKS = ("xsum", "nq-open", "asdiv")
 
@@ -25,14 +25,13 @@ def cluster_ids(texts: Sequence[str], max_clusters: int = 64) -> tuple[list[int]
     """The pending cluster each text joins, sent one by one (as the server assigns, then adds) ->
     (the ids, mean seconds of one ``assign``)."""
     pending = PendingClusters(max_clusters=max_clusters)
-    out, spent = [], 0.0
+    out, assigning = [], Stopwatch()
     for text in texts:
-        started = time.perf_counter()
-        cid = pending.assign(text)
-        spent += time.perf_counter() - started
+        with assigning:
+            cid = pending.assign(text)
         pending.add(cid, text)
         out.append(cid)
-    return out, spent / max(len(texts), 1)
+    return out, assigning.seconds / max(len(texts), 1)
 
 
 def score(tasks: Sequence[str], block: int = 4, blocks_per_task: int = 3, offset: int = 20,

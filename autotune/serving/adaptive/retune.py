@@ -3,12 +3,12 @@ result is checked with before it is stored (``timed``: greedy outputs and time o
 requests it tuned on, for the lossless check and the like-for-like speed comparison)."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.serving.jobs import cluster_key
+from autotune.timing import Stopwatch
 from autotune.tuning.tuner import OnlineTuner
 from runtime.decoding import Decoder, GenerationConfig, GenerationResult
 from runtime.stats import DecodeStats
@@ -43,10 +43,10 @@ class Retune:
 
     def generate(self, ids: list[int], cfg: Any, stored_text: str, after_round: Callable | None) -> GenerationResult:
         self.tuner.start_prompt(len(ids))
-        t0 = time.perf_counter()
-        result = self.decoder.generate(ids, cfg, before_round=self.tuner.before_round, after_round=after_round)
-        self.tuner.end_prompt(ids + result.tokens, result.stats)
-        self.wall_s += time.perf_counter() - t0
+        with Stopwatch() as decoding:
+            result = self.decoder.generate(ids, cfg, before_round=self.tuner.before_round, after_round=after_round)
+            self.tuner.end_prompt(ids + result.tokens, result.stats)
+        self.wall_s += decoding.seconds
         self.requests += 1
         self.stats = self.stats.merge(result.stats)
         self.prompts.append(stored_text)
@@ -87,11 +87,10 @@ class Run:
 def timed(decoder: Decoder, prompts: list[list[int]], eos: tuple[int, ...], tokens: int) -> Run:
     """Decode ``prompts`` greedily (``tokens`` each) with ``decoder``: their outputs and time."""
     cfg = GenerationConfig(max_new_tokens=tokens, eos_token_ids=eos)
-    outputs, n, seconds = [], 0, 0.0
+    outputs, n, decoding = [], 0, Stopwatch()
     for ids in prompts:
-        t0 = time.perf_counter()
-        result = decoder.generate(ids, cfg)
-        seconds += time.perf_counter() - t0
+        with decoding:
+            result = decoder.generate(ids, cfg)
         outputs.append(tuple(result.tokens))
         n += len(result.tokens)
-    return Run(tuple(outputs), n, seconds)
+    return Run(tuple(outputs), n, decoding.seconds)
