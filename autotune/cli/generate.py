@@ -41,8 +41,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from autotune.tuning.controller import ControlSettings, Corrections, controller_cost, generate_controlled, \
-        lookup_candidate
+    from autotune.tuning.controller import ControlSettings, controller_cost, generate_controlled, lookup_candidate
+    from autotune.tuning.corrections import Corrections
     from runtime.pipeline import build_decoder, eos_ids
 
     check_common(args)

@@ -17,8 +17,9 @@ import torch
 from autotune.serving.decoders import DecoderCache
 from autotune.serving.jobs import EXPLICIT_ROUTES, Job, Running, live_keys
 from autotune.serving.routing.router import UNKNOWN
-from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, \
-    controller_cost, decoder_options, lookup_candidate
+from autotune.tuning.controller import ControlSettings, RequestController, RoutePriors, controller_cost, \
+    decoder_options, lookup_candidate
+from autotune.tuning.corrections import Corrections
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, RouteAcceptance, pays_alone
 from runtime.decoding import Decoder
@@ -33,7 +34,7 @@ class Control:
     def __init__(self, settings: ControlSettings | None, decoders: DecoderCache, acceptance: RouteAcceptance) -> None:
         self.settings, self.decoders = settings, decoders
         self.acceptance = acceptance  # the worker's live acceptance per route and cluster (``jobs.live_keys``)
-        self.corrections = Corrections()  # measured / predicted speed per drafter kind, learned from every request
+        self.corrections = Corrections()  # measured / predicted speed per strategy, learned from every request
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
         self._costs: dict[tuple, MeasuredCostModel] = {}  # cost models, per drafting model and target
 

@@ -9,9 +9,9 @@ scores a few candidates on the request's latest window, priced by the measured c
 - the prior, plain decoding, prompt lookup, and the prior's cheap neighbours (a shorter chain,
   the chain instead of a tree, ``candidates``);
 - the strategy decoding now is judged by what its rounds since the last decision *measured*
-  where it decoded alone; every prediction is multiplied by its drafter kind's correction
-  (measured / predicted tokens/s, ``Corrections``: shared by the requests of a server, so a kind
-  that is priced too high on this machine is priced right for the next request);
+  where it decoded alone; every prediction is multiplied by its correction (measured / predicted
+  tokens/s, ``autotune.tuning.corrections``: the tuner's scheme, shared by the requests of a
+  server, so a strategy priced too high on this machine is priced right for the next request);
 - a drafting model is scored (one forward over the window) only while scoring stays within
   ``max_share`` of the request's decode time (``autotune.tuning.budget``; its latest prediction
   stands in between); plain decoding and prompt lookup cost no forward and are scored every
@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.tuning.budget import Budget
+from autotune.tuning.corrections import Corrections
 from autotune.tuning.cost_model import CostModel
 from autotune.tuning.objective import Prediction
 from autotune.tuning.scoring import Window
@@ -47,8 +48,6 @@ from search_spaces.errors import SpaceError
 from search_spaces.strategy import PLAIN, Strategy
 
 MODEL_KINDS = ("draft-model", "layer-skip")  # scored by a forward of their drafting model (the budget's)
-CORRECTION_EMA = 0.3  # weight of a newly measured window in a kind's correction
-CORRECTION_RANGE = (0.25, 4.0)  # a correction never leaves this range (one odd window must not price a kind out)
 
 
 @dataclass(frozen=True)
@@ -69,26 +68,6 @@ class ControlSettings:
             raise SpaceError(f"request control setting margin={self.margin!r} must be in [0, 1)")
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"request control setting max_share={self.max_share!r} must be in (0, 1]")
-
-
-class Corrections:
-    """Measured / predicted tokens/s per drafter kind, shared by the requests of a server (or a
-    ``generate`` run): each request's measured windows refine it for the next. It also keeps what
-    scoring a drafting model last cost (``model_s``), so a request's first score of one waits for
-    its budget like every later one (only the very first score, with nothing known, goes ahead)."""
-
-    def __init__(self) -> None:
-        self.factor: dict[str, float] = {}
-        self.model_s: float | None = None
-
-    def get(self, kind: str) -> float:
-        return self.factor.get(kind, 1.0)
-
-    def observe(self, kind: str, ratio: float) -> None:
-        lo, hi = CORRECTION_RANGE
-        ratio = min(max(ratio, lo), hi)
-        old = self.factor.get(kind)
-        self.factor[kind] = ratio if old is None else (1 - CORRECTION_EMA) * old + CORRECTION_EMA * ratio
 
 
 class RoutePriors:
@@ -303,7 +282,7 @@ class RequestController:
         if self._guard_only(decoder, generated):
             return
         if measured is not None and self._predicted and self.current.speculates:
-            self.corrections.observe(self.current.drafter, measured / self._predicted)
+            self.corrections.observe(self.current, self._predicted, self._stretch.tokens, self._stretch.seconds)
         scores: dict[Strategy, float] = {}
         raw: dict[Strategy, float] = {}  # uncorrected predictions (what a measurement corrects)
         model_s, may_model = 0.0, self._may_score_model()
@@ -321,7 +300,7 @@ class RequestController:
             if p is None:
                 continue
             raw[s] = p
-            scores[s] = self._known[s] = p * self.corrections.get(s.drafter) if s.speculates else p
+            scores[s] = self._known[s] = p * self.corrections.factor(s) if s.speculates else p
             if s == self.current and measured is not None:
                 scores[s] = measured  # what it decoded beats a prediction
         if model_s > 0:

@@ -17,18 +17,18 @@ window never switches. A kept strategy stays on probation (``Race.probation``): 
 ``probation_tokens`` and measured more than ``switch_margin`` slower, over everything it decoded,
 than the incumbent it replaced, decoding reverts to that one (measured data only, no cost).
 
-Every measured stretch of a strategy updates its correction ``measured / predicted`` tokens/s
-(``Race.correct``; its kind's geometric mean serves strategies not measured yet), so predictions
-converge to measurements.
+Every measured stretch of a strategy adds to its correction ``measured / predicted`` tokens/s
+(``Race.correct``; ``autotune.tuning.corrections``, the scheme the request controller shares), so
+predictions converge to measurements.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.tuning.corrections import Corrections
 from runtime.decoding import Decoder
 from runtime.stats import DecodeStats
 from search_spaces.spaces import SearchSpace, SpaceContext
@@ -59,6 +59,7 @@ class Kept:
     bar_tps: float | None = None  # a measured trial's bar: the incumbent's speed on the same tokens
     replaced: "Kept | None" = None  # the incumbent it replaced (what its probation compares with)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
+    corrected: tuple[int, float, int] = (0, 0, 0)  # tokens, seconds and raws already given to the corrections
 
     @property
     def measured_tps(self) -> float | None:
@@ -157,7 +158,7 @@ class Race:
         self.switches: list[int] = []  # trial numbers of the strategies that replaced the incumbent
         self.rejected: list[Kept] = []  # measured trials that lost to the incumbent
         self.reverted: list[Kept] = []  # kept strategies that then measured slower than what they replaced
-        self.corrections: dict[Strategy, float] = {}
+        self.corrections = Corrections()
 
     @property
     def running(self) -> Kept:
@@ -303,23 +304,17 @@ class Race:
 
     # ----------------------------------------------------------------- corrections
     def correction(self, strategy: Strategy) -> float:
-        """Measured / predicted tokens/s of ``strategy``; for one never measured, the geometric
-        mean over measured strategies of its drafter kind (1 when there are none)."""
-        if strategy in self.corrections:
-            return self.corrections[strategy]
-        same = [c for s, c in self.corrections.items() if s.drafter == strategy.drafter]
-        return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
+        """Measured / predicted tokens/s of ``strategy`` (``Corrections.factor``)."""
+        return self.corrections.factor(strategy)
 
     def correct(self, kept: Kept) -> None:
-        """The strategy's correction: its measured tokens/s over everything it decoded, divided by
-        the mean of its uncorrected predictions on the windows it raced and decoded (a ratio of
-        averages: one window's prediction swings with the text, e.g. prompt lookup on copied code)."""
-        measured = kept.measured_tps
-        if measured is None or not kept.raws or not kept.strategy.speculates:
-            return  # plain decoding's prediction is a measurement already
-        mean = sum(kept.raws) / len(kept.raws)
-        if mean > 0:
-            self.corrections[kept.strategy] = measured / mean
+        """Give the corrections what ``kept`` decoded since it last did, with its uncorrected
+        predictions on the windows it raced and decoded since then (its first stretch: every one)."""
+        tokens, seconds, raws = kept.corrected
+        if kept.tokens <= tokens or kept.seconds <= seconds or len(kept.raws) <= raws:
+            return  # nothing new decoded, or no prediction made for it since
+        self.corrections.observe(kept.strategy, kept.raws[raws:], kept.tokens - tokens, kept.seconds - seconds)
+        kept.corrected = (kept.tokens, kept.seconds, len(kept.raws))
 
     # ----------------------------------------------------------------- results
     def predicted_tps(self, strategy: Strategy) -> float | None:

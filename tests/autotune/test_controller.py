@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotune.tuning.controller import ControlSettings, Corrections, RequestController, RoutePriors, candidates, \
+from autotune.tuning.controller import ControlSettings, RequestController, RoutePriors, candidates, \
     generate_controlled, label
+from autotune.tuning.corrections import Corrections
 from autotune.tuning.cost_model import FixedCostModel
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, TreeShape
@@ -325,15 +326,6 @@ def test_a_controller_starts_at_its_start_and_still_scores_the_prior(hf_target):
     assert ctl.current != PLAIN and result.stats.drafted > 0  # the noisy copy matches: back to drafting
 
 
-def test_corrections_learn_measured_over_predicted_per_kind():
-    c = Corrections()
-    assert c.get("draft-model") == 1.0
-    c.observe("draft-model", 0.5)
-    assert c.get("draft-model") == 0.5  # the first measurement counts whole
-    c.observe("draft-model", 1.5)
-    assert c.get("draft-model") == pytest.approx(0.7 * 0.5 + 0.3 * 1.5)
-    c.observe("prompt-lookup", 100.0)  # one odd window cannot price a kind out
-    assert c.get("prompt-lookup") == 4.0 and c.get("layer-skip") == 1.0
 
 
 def test_a_plain_prior_on_a_lookup_decoder_can_reach_lookup(hf_target):

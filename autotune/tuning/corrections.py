@@ -1,0 +1,88 @@
+"""Measured / predicted tokens/s: the one correction scheme of the online tuner's race and the
+per-request controller.
+
+Each measured stretch of a strategy (its tokens, their seconds, and the uncorrected predictions
+made for it on the windows it raced or decoded) adds to that strategy's evidence. Its factor is a
+ratio of averages: measured tokens/s over all its evidence, divided by the mean of its
+predictions (one window's prediction swings with the text; the mean over many does not). A
+strategy not measured yet takes the geometric mean of its drafter kind's factors (1 when there
+are none). Evidence past ``memory_tokens`` decays in proportion, so a server's factors follow its
+machine's load; every factor stays within ``CORRECTION_RANGE``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from search_spaces.strategy import Strategy
+
+CORRECTION_RANGE = (0.25, 4.0)  # a factor never leaves this range (one odd stretch must not price a kind out)
+MEMORY_TOKENS = 4096  # a strategy's evidence is scaled down to this many measured tokens as more arrives
+
+
+@dataclass
+class Evidence:
+    """What one strategy decoded and what was predicted for it."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    predicted_sum: float = 0.0  # uncorrected predictions (tokens/s), summed
+    predictions: float = 0.0  # how many
+
+    @property
+    def ratio(self) -> float | None:
+        if self.seconds <= 0 or self.predictions <= 0 or self.predicted_sum <= 0:
+            return None
+        return (self.tokens / self.seconds) / (self.predicted_sum / self.predictions)
+
+
+def _clamped(ratio: float) -> float:
+    lo, hi = CORRECTION_RANGE
+    return min(max(ratio, lo), hi)
+
+
+class Corrections:
+    """Per-strategy factors (measured / predicted tokens/s), learnt from decoding. A server's
+    requests share one; a tuner has its own. It also keeps what scoring a drafting model last
+    cost (``model_s``), for a controller's first score of one."""
+
+    def __init__(self, memory_tokens: int = MEMORY_TOKENS) -> None:
+        if memory_tokens < 1:
+            raise ValueError(f"memory_tokens={memory_tokens} must be at least 1")
+        self.memory_tokens = memory_tokens
+        self.evidence: dict[Strategy, Evidence] = {}
+        self.model_s: float | None = None
+
+    def observe(self, strategy: Strategy, predicted: float | Sequence[float], tokens: int, seconds: float) -> None:
+        """``strategy`` decoded ``tokens`` in ``seconds``, predicted (uncorrected) at ``predicted``
+        tokens/s - one prediction, or one per window it raced and decoded. Plain decoding's
+        prediction is a measurement already: it keeps no factor."""
+        preds = [predicted] if isinstance(predicted, (int, float)) else list(predicted)
+        preds = [p for p in preds if p > 0]
+        if not strategy.speculates or tokens <= 0 or seconds <= 0 or not preds:
+            return
+        ev = self.evidence.setdefault(strategy, Evidence())
+        ev.tokens += tokens
+        ev.seconds += seconds
+        ev.predicted_sum += sum(preds)
+        ev.predictions += len(preds)
+        if ev.tokens > self.memory_tokens:
+            keep = self.memory_tokens / ev.tokens
+            ev.tokens, ev.seconds = ev.tokens * keep, ev.seconds * keep
+            ev.predicted_sum, ev.predictions = ev.predicted_sum * keep, ev.predictions * keep
+
+    def factor(self, strategy: Strategy) -> float:
+        """Measured / predicted tokens/s for ``strategy``: its own, else its kind's geometric mean, else 1."""
+        if not strategy.speculates:
+            return 1.0
+        own = self.evidence.get(strategy)
+        if own is not None and own.ratio is not None:
+            return _clamped(own.ratio)
+        same = [_clamped(r) for s, ev in self.evidence.items() if s.drafter == strategy.drafter
+                and (r := ev.ratio) is not None]
+        return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
+
+    def measured(self) -> dict[Strategy, float]:
+        """The factor of every strategy with evidence of its own."""
+        return {s: _clamped(r) for s, ev in self.evidence.items() if (r := ev.ratio) is not None}
