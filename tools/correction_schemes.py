@@ -12,7 +12,7 @@ evidence so far, unbounded; the kind's geometric mean before its first stretch) 
 ``strategy-ratio`` (``autotune.tuning.corrections``: the same with a range and a memory).
 
     python tools/correction_schemes.py record --out obs.jsonl -- study ARGS... -- generate ARGS...
-    python tools/correction_schemes.py evaluate obs.jsonl
+    python tools/correction_schemes.py evaluate obs.jsonl [more.jsonl ...]
 """
 from __future__ import annotations
 
@@ -37,18 +37,18 @@ def record(out: Path, runs: list[list[str]]) -> None:
     from autotune.cli.main import main
 
     observe = Corrections.observe
-    source = {"name": ""}
+    source: dict[str, Any] = {"name": "", "run": 0}
 
     def recording(self: Corrections, strategy: Strategy, predicted: Any, tokens: int, seconds: float) -> None:
         preds = [predicted] if isinstance(predicted, (int, float)) else list(predicted)
         with out.open("a") as f:
-            f.write(json.dumps({"source": source["name"], "strategy": strategy.to_json(), "kind": strategy.drafter,
+            f.write(json.dumps({"source": source["name"], "run": source["run"], "strategy": strategy.to_json(), "kind": strategy.drafter,
                                 "predicted": preds, "tokens": tokens, "seconds": seconds}) + "\n")
         observe(self, strategy, predicted, tokens, seconds)
 
     Corrections.observe = recording  # type: ignore[method-assign]
-    for argv in runs:
-        source["name"] = argv[0]
+    for i, argv in enumerate(runs):
+        source["name"], source["run"] = argv[0], i
         code = main(argv)
         if code != 0:
             raise SystemExit(f"{' '.join(argv)} exited {code}")
@@ -129,9 +129,18 @@ def _measured(row: dict) -> float:
     return row["tokens"] / row["seconds"]
 
 
-def evaluate(path: Path) -> dict[str, dict[str, dict[str, float]]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["tokens"] > 0 and r["seconds"] > 0 and [p for p in r["predicted"] if p > 0]]
+def evaluate(paths: list[Path]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each run (a study, a generate) starts every scheme afresh, as the tuner and a server do;
+    the errors of each source's runs are pooled."""
+    rows = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                row["key"] = (str(path), row.get("run", row["source"]))
+                rows.append(row)
+    rows = [r for r in rows if r["tokens"] > 0 and r["seconds"] > 0 and [p for p in r["predicted"] if p > 0]
+            and Strategy.from_json(r["strategy"]).speculates]  # plain decoding keeps no factor
     for r in rows:
         r["predicted"] = [p for p in r["predicted"] if p > 0]
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -139,11 +148,13 @@ def evaluate(path: Path) -> dict[str, dict[str, dict[str, float]]]:
         mine = [r for r in rows if r["source"] == source]
         out[source] = {}
         for name, make in SCHEMES.items():
-            scheme, errors, weights = make(), [], []
-            for r in mine:
-                errors.append(abs(math.log(_mean(r) * scheme.factor(r) / _measured(r))))
-                weights.append(r["tokens"])
-                scheme.observe(r)
+            errors, weights = [], []
+            for key in dict.fromkeys(r["key"] for r in mine):
+                scheme = make()
+                for r in (r for r in mine if r["key"] == key):
+                    errors.append(abs(math.log(_mean(r) * scheme.factor(r) / _measured(r))))
+                    weights.append(r["tokens"])
+                    scheme.observe(r)
             out[source][name] = {
                 "stretches": len(errors), "mean_abs_log_error": statistics.fmean(errors),
                 "median_abs_log_error": statistics.median(errors),
@@ -159,7 +170,7 @@ def main() -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("runs", nargs=argparse.REMAINDER, help="-- CLI ARGS [-- CLI ARGS ...]")
     e = sub.add_parser("evaluate")
-    e.add_argument("path", type=Path)
+    e.add_argument("paths", type=Path, nargs="+")
     args = p.parse_args()
     if args.cmd == "record":
         runs, cur = [], []
@@ -174,7 +185,7 @@ def main() -> None:
             runs.append(cur)
         record(args.out, runs)
     else:
-        result = evaluate(args.path)
+        result = evaluate(args.paths)
         print(json.dumps(result, indent=2))
         for source, schemes in result.items():
             print(f"\n{source}: |ln(forecast / measured)| over the stretches, in order")

@@ -19,10 +19,10 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    faster than the incumbent on the same tokens and lately, so one lucky window never switches; a
    kept strategy stays on probation (reverted if it measures ``switch_margin`` slower than the
    incumbent it replaced).
-3. **Corrects the cost model per strategy**: every measured stretch of a strategy updates its
-   correction ``measured / predicted`` tokens/s (its kind's geometric mean serves strategies not
-   measured yet), so predictions converge to measurements; ``summary()`` reports the ratio for
-   every kept strategy.
+3. **Corrects the cost model per strategy**: every measured stretch of a strategy adds to its
+   correction ``measured / predicted`` tokens/s (``autotune.tuning.corrections``, the scheme the
+   request controller shares), so predictions converge to measurements; ``summary()`` reports
+   the ratio for every kept strategy.
 4. **Spends little** (``autotune.tuning.budget``): tuning time is an allowance accruing at
    ``max_share`` of decode time, divided by 1 + the windows in a row the incumbent has led, and
    tuning spends it; the cost model's timing is a one-time cost of the models on this machine

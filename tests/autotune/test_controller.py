@@ -250,6 +250,32 @@ def test_a_later_requests_first_score_waits_for_its_budget(hf_target):
     assert "draft-model-4" in counts[0][1] and "draft-model-4" not in counts[1][1]  # not scored at its first window
 
 
+
+def test_a_requests_measured_stretches_correct_the_next_requests_prices(hf_target):
+    """What the strategy decoding measured between decisions goes to the corrections the server's
+    requests share (``autotune.tuning.corrections``, the tuner's scheme), keyed by strategy: the
+    next request prices a candidate at its prediction times that factor."""
+    settings = ControlSettings(window=WINDOW, guard_tokens=NEVER, max_share=1.0, min_measured=1)
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1e-6)  # drafting priced free (and far too fast)
+
+    def first_scores(corrections: Corrections) -> tuple[dict[str, float], RequestController]:
+        tokens, ctl, _ = run(hf_target, controlled=True, draft=CausalLM(noisy_copy(hf_target, 0.02, 1)), cost=cost,
+                             settings=settings, corrections=corrections)
+        assert tokens == plain(hf_target)
+        return ctl.decisions[0].scores, ctl
+
+    unaided, _ = first_scores(Corrections())
+    shared = Corrections()
+    _, ctl = first_scores(shared)
+    assert shared.evidence and all(s.drafter == CHAIN.drafter for s in shared.evidence)
+    # the shorter chain is not the prior: the next request's first decision prices it, not measures it
+    half = next(s for s in ctl.options if s.drafter == CHAIN.drafter and s.draft_length < CHAIN.draft_length)
+    factor = shared.factor(half)
+    assert factor < 1.0  # priced far too fast: measured speed is a fraction of the prediction
+    corrected, _ = first_scores(shared)
+    assert corrected[label(half)] == pytest.approx(unaided[label(half)] * factor, rel=0.01)
+
+
 # ---------------------------------------------------------------------------------- candidates
 def test_candidates_are_the_prior_plain_lookup_and_cheap_neighbours():
     tree = Strategy(drafter="draft-model", draft_length=6, tree_widths=(2, 2, 1, 1, 1, 1))
