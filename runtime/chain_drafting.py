@@ -74,4 +74,5 @@ class ChainDrafter:
             rnd.slot[depth] = depth
         host.cache.rollback(rnd.base + len(rnd.slot))  # kept copy rows past a threshold stop
         q_all = None if params.greedy else pad_vocab(torch.stack(qs), host.target_vocab)
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=host.model.device), q_all, None)
+        parents = tuple(range(-1, len(tokens) - 1))  # a chain as a tree, as the static proposal gives it
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=host.model.device), q_all, parents)
