@@ -20,15 +20,12 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autotune.tuning.corrections import CORRECTION_RANGE, Corrections  # noqa: E402
-from search_spaces.strategy import Strategy  # noqa: E402
+from autotune.tuning.corrections import CORRECTION_RANGE, Corrections
+from search_spaces.strategy import Strategy
 
 EMA = 0.3  # the controller's former weight of a new stretch
 
