@@ -50,15 +50,18 @@ class ChainDrafter:
         for depth in range(depth_max):
             if depth > 0 and shape.threshold > 0 and float(torch.softmax(logits, -1).max()) < shape.threshold:
                 break
-            q = logits_to_probs(logits, params)  # [Vd]
-            if copying and depth < len(copy) and copy[depth] < q.shape[-1]:
-                tok, kept = reuse_or_draw(q, copy[depth], gen)
+            copied = copy[depth] if copying and depth < len(copy) else None
+            if params.greedy:  # the argmax, kept where the copy has it: no one-hot over the vocabulary
+                tok = int(torch.argmax(logits))
+                kept = copied == tok
             else:
-                tok = int(torch.argmax(q)) if params.greedy else int(sample(q, gen))
-                kept = False
-            tokens.append(tok)
-            if not params.greedy:
+                q = logits_to_probs(logits, params)  # [Vd]
                 qs.append(q)
+                if copied is not None and copied < q.shape[-1]:
+                    tok, kept = reuse_or_draw(q, copied, gen)
+                else:
+                    tok, kept = int(sample(q, gen)), False
+            tokens.append(tok)
             if kept:  # its row is the copy's: the next depth's logits are already computed
                 rnd.slot[depth] = depth
                 self.copied_kept += 1

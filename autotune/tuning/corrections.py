@@ -82,7 +82,3 @@ class Corrections:
         same = [_clamped(r) for s, ev in self.evidence.items() if s.drafter == strategy.drafter
                 and (r := ev.ratio) is not None]
         return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
-
-    def measured(self) -> dict[Strategy, float]:
-        """The factor of every strategy with evidence of its own."""
-        return {s: _clamped(r) for s, ev in self.evidence.items() if (r := ev.ratio) is not None}

@@ -32,7 +32,7 @@ def test_an_unmeasured_strategy_takes_its_kinds_geometric_mean():
     assert c.factor(TREE) == pytest.approx(1.0)  # sqrt(0.5 * 2)
     assert c.factor(LOOKUP) == 1.0  # another kind learns nothing from these
     assert c.factor(CHAIN4) == pytest.approx(0.5)  # its own evidence first
-    assert set(c.measured()) == {CHAIN4, CHAIN8}
+    assert set(c.evidence) == {CHAIN4, CHAIN8}
 
 
 def test_one_odd_stretch_cannot_price_a_strategy_out():
