@@ -15,10 +15,16 @@ from the timings the decoder records while it decodes with the incumbent strateg
   once per row count when first priced (the plain step at 1 row; measured rounds of any width
   rescale them all). Not a line through two widths: the int4 kernel runs rows in blocks of 4, so
   its verify cost steps at every fifth row.
-- Plain decoding: one timed single-token target forward, refreshed from plain rounds while decoding.
+- Plain decoding: the median of the plain steps seen while decoding (the latest
+  ``PLAIN_OBSERVED``, with the faster of two timed single-token forwards, or the kept figure, as one
+  vote), so a burst of load on the machine moves it only while it lasts; and never above a
+  two-row verify's price (a forward of more rows does more work: a plain step timed slower than
+  that is noise, and the verify rounds seen while decoding keep correcting that price).
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,6 +36,7 @@ from search_spaces.layer_plan import LayerPlan
 
 EMA = 0.2  # weight of a new observation in the refreshed correction factors
 VERIFY_TIMINGS = 2  # timed verify forwards before any verify round was seen (the least counts)
+PLAIN_OBSERVED = 16  # the latest plain steps seen while decoding whose median prices plain decoding
 
 
 class CostModel(Protocol):
@@ -84,7 +91,8 @@ class MeasuredCostModel:
     _by_plan: dict[LayerPlan | None, float] = field(default_factory=dict)
     _verify: float | None = None
     _width: dict[int, float] = field(default_factory=dict)  # unpadded verifies: seconds by row count
-    _plain: float | None = None
+    _plain: float | None = None  # the timed or kept plain step, then the median of those seen (``observe_plain``)
+    _plain_seen: deque = field(default_factory=lambda: deque(maxlen=PLAIN_OBSERVED))
     _full: float | None = None  # one exact single-row draft forward (``_full_s``)
     _calibrating: Stopwatch = field(default_factory=Stopwatch)
 
@@ -180,8 +188,8 @@ class MeasuredCostModel:
     def _rows_s(self, rows: int) -> float:
         """An unpadded verify of exactly ``rows`` rows: the plain step at 1 (capped by the full
         width's time), the timed full width at ``verify_width``, else one forward timed on first use."""
-        if rows <= 1:
-            return min(self.plain_step_s(), self._verify_rows(None))
+        if rows <= 1:  # unscaled, as the rest: the plain step's price is already on the decode's scale
+            return min(self.plain_step_s() / self.verify_scale, self._verify_rows(None))
         if rows >= self.verify_width:
             return self._verify_rows(None)
         if rows not in self._width:
@@ -242,10 +250,13 @@ class MeasuredCostModel:
                 self._rows_s(rows)
 
     def plain_step_s(self) -> float:
-        """One single-token target forward: a round of plain decoding (the bar every strategy must beat)."""
+        """One single-token target forward: a round of plain decoding (the bar every strategy must
+        beat). Before any plain round is seen, the faster of two timed forwards; never above the
+        price of a verify of two rows (of the full width where verifies pad)."""
         if self._plain is None:
-            self._plain = self._forward_s(self.target, 1, None)
-        return self._plain
+            self._plain = self._forward_s(self.target, 1, None, best_of=VERIFY_TIMINGS)
+        wider = self._verify_rows(None if self.padded or self.verify_width <= 2 else 2.0) * self.verify_scale
+        return min(self._plain, wider)
 
     def observe_draft(self, predicted_s: float, measured_s: float) -> None:
         """Refresh from a decoded round: its predicted vs measured draft time."""
@@ -253,9 +264,14 @@ class MeasuredCostModel:
             self.draft_scale *= (1 - EMA) + EMA * measured_s / predicted_s
 
     def observe_plain(self, measured_s: float) -> None:
-        """Refresh from a plain decoding round (the bar candidates must beat moves with the machine)."""
+        """Refresh from a plain decoding round (the bar candidates must beat moves with the machine):
+        the median of the latest ``PLAIN_OBSERVED`` seen, the timed or kept figure one vote among
+        them until they push it out."""
         if measured_s > 0:
-            self._plain = measured_s if self._plain is None else (1 - EMA) * self._plain + EMA * measured_s
+            if not self._plain_seen and self._plain is not None:
+                self._plain_seen.append(self._plain)
+            self._plain_seen.append(measured_s)
+            self._plain = statistics.median(self._plain_seen)
 
     def observe_verify(self, measured_s: float, rows: float | None = None) -> None:
         """Refresh from a decoded round's verify time (its first one replaces the timed forward
