@@ -1,6 +1,6 @@
 """The held-out race's candidates from what the online tuner learnt: one per drafter kind
 (``runner_ups``), prompt lookup's length priced over every tuned output (``best_lookup``), and the
-tuner's price of the text a candidate just decoded (``price_text``, the stored pick's predicted /
+cost model's price of the text a candidate just decoded (``price_text``, the stored pick's predicted /
 measured). ``autotune.tuning.study`` judges them (``autotune.tuning.heldout``)."""
 from __future__ import annotations
 
@@ -69,14 +69,16 @@ def best_lookup(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext,
 
 def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens: list[int],
                new: int) -> tuple[int, float] | None:
-    """The tuner's corrected prediction for ``strategy`` on the last ``new`` tokens of ``tokens``
-    (one window over them: prompt lookup replayed, a drafting model's matchness in one forward,
-    from ``decoder``, which just decoded them) -> (tokens, predicted seconds), or None where its
-    drafter cannot score there."""
+    """The cost model's price of ``strategy`` on the last ``new`` tokens of ``tokens``, the text it
+    just decoded (one window over them: prompt lookup replayed, a drafting model's matchness in one
+    forward, from ``decoder``) -> (tokens, predicted seconds), or None where its drafter cannot
+    score there. Uncorrected: the replay knows what that text accepts, so the only error left is
+    the cost model's (its timings and the scales decode rounds keep refreshing); a strategy's
+    correction also holds how far its windows' forecasts of acceptance missed, and would count that
+    error a second time."""
     if new < 4:
         return None
     got = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, strategy, tokens)
     if got is None or got[0].tokens_per_s <= 0:
         return None
-    tps = got[0].tokens_per_s * tuner.correction(strategy)
-    return new, new / tps
+    return new, new / got[0].tokens_per_s

@@ -14,7 +14,9 @@ from the timings the decoder records while it decodes with the incumbent strateg
   row) verifies its drafted rows only: a round of ``r`` rows costs a forward of ``r`` rows, timed
   once per row count when first priced (the plain step at 1 row; measured rounds of any width
   rescale them all). Not a line through two widths: the int4 kernel runs rows in blocks of 4, so
-  its verify cost steps at every fifth row.
+  its verify cost steps at every fifth row. Verify rounds seen while decoding price their row
+  count (the median of the latest), and no row count is priced above a wider one: noise only
+  ever adds time.
 - Plain decoding: the median of the plain steps seen while decoding (the latest
   ``PLAIN_OBSERVED``, with the faster of two timed single-token forwards, or the kept figure, as one
   vote), so a burst of load on the machine moves it only while it lasts; and never above a
@@ -36,7 +38,8 @@ from search_spaces.layer_plan import LayerPlan
 
 EMA = 0.2  # weight of a new observation in the refreshed correction factors
 VERIFY_TIMINGS = 2  # timed verify forwards before any verify round was seen (the least counts)
-PLAIN_OBSERVED = 16  # the latest plain steps seen while decoding whose median prices plain decoding
+PLAIN_OBSERVED = 16  # the latest plain steps (verify rounds of one row count) seen whose median prices them
+SEEN_MIN = 3  # verify rounds of one row count seen before their median replaces its timing
 
 
 class CostModel(Protocol):
@@ -90,7 +93,9 @@ class MeasuredCostModel:
     _rows: tuple[float, float] | None = None  # exact draft forward: one row, each further row
     _by_plan: dict[LayerPlan | None, float] = field(default_factory=dict)
     _verify: float | None = None
-    _width: dict[int, float] = field(default_factory=dict)  # unpadded verifies: seconds by row count
+    _width: dict[int, float] = field(default_factory=dict)  # unpadded verifies: seconds by row count (timed)
+    _seen: dict[int, deque] = field(default_factory=dict)  # unpadded verify rounds seen while decoding, by row count
+    _table: dict[int, float] | None = None  # the priced row counts (``_envelope``), until the next change
     _plain: float | None = None  # the timed or kept plain step, then the median of those seen (``observe_plain``)
     _plain_seen: deque = field(default_factory=lambda: deque(maxlen=PLAIN_OBSERVED))
     _full: float | None = None  # one exact single-row draft forward (``_full_s``)
@@ -167,14 +172,48 @@ class MeasuredCostModel:
 
     def verify_s(self, rows: float | None = None) -> float:
         """A verify round (of ``rows`` target rows, 1 + the drafted tokens, where the decoder does
-        not pad; default: the full width): the mean of those seen while decoding, else the faster
-        of two timed forwards (one-time costs of the first wide forward and noise would make it
-        pessimistic)."""
-        return self._verify_rows(rows) * self.verify_scale
+        not pad; default: the full width). Padded: the first one seen while decoding, else the
+        faster of two timed forwards (one-time costs of the first wide forward and noise would make
+        it pessimistic), times the scale decode rounds refresh. Unpadded: the row counts either
+        side of ``rows`` (``_price``), interpolated."""
+        if self.padded or rows is None or self.verify_width <= 1:
+            return self._verify_rows(None) * self.verify_scale
+        rows = min(max(rows, 1.0), float(self.verify_width))
+        lo = int(rows)
+        below = self._price(lo)
+        return below if rows == lo else below + (rows - lo) * (self._price(lo + 1) - below)
+
+    def _price(self, rows: int) -> float:
+        """An unpadded verify of exactly ``rows`` rows, in decode seconds: the plain step at 1, else
+        ``_envelope``'s (a row count not timed yet is timed now, once)."""
+        if rows <= 1:
+            return self.plain_step_s()
+        rows = min(rows, self.verify_width)
+        if rows < self.verify_width and rows not in self._width:
+            self._width[rows] = self._forward_s(self.target, rows, None, every_logit=True)
+            self._table = None
+        if self._table is None:
+            self._table = self._envelope()
+        return self._table[rows]
+
+    def _envelope(self) -> dict[int, float]:
+        """Every row count timed: the median of the verify rounds of that count seen while decoding
+        (``SEEN_MIN`` or more of the latest ``PLAIN_OBSERVED``), else its timing times the scale;
+        and never above a wider count's price (more rows, more work: a price above one of those is
+        noise, such as a burst of load while it was timed, kept in the store for later studies)."""
+        timed = {**self._width, self.verify_width: self._verify_rows(None)}
+        out: dict[int, float] = {}
+        cap = float("inf")
+        for rows in sorted(timed, reverse=True):
+            seen = self._seen.get(rows)
+            own = statistics.median(seen) if seen and len(seen) >= SEEN_MIN else timed[rows] * self.verify_scale
+            cap = out[rows] = min(cap, own)
+        return out
 
     def _verify_rows(self, rows: float | None) -> float:
-        """Unscaled: the full-width verify, or (unpadded) a verify of ``rows`` rows: the timed
-        forwards at the row counts either side of it, interpolated."""
+        """Unscaled timings: the full-width verify, or (unpadded) a verify of ``rows`` rows: the
+        timed forwards at the row counts either side of it, interpolated (what the scale relates
+        decode rounds to)."""
         if self._verify is None:
             self._verify = self._forward_s(self.target, self.verify_width, None, best_of=VERIFY_TIMINGS,
                                            every_logit=True)
@@ -186,14 +225,16 @@ class MeasuredCostModel:
         return below if rows == lo else below + (rows - lo) * (self._rows_s(lo + 1) - below)
 
     def _rows_s(self, rows: int) -> float:
-        """An unpadded verify of exactly ``rows`` rows: the plain step at 1 (capped by the full
-        width's time), the timed full width at ``verify_width``, else one forward timed on first use."""
+        """An unpadded verify of exactly ``rows`` rows as timed: the plain step at 1 (capped by the
+        full width's time), the timed full width at ``verify_width``, else one forward timed on
+        first use."""
         if rows <= 1:  # unscaled, as the rest: the plain step's price is already on the decode's scale
-            return min(self.plain_step_s() / self.verify_scale, self._verify_rows(None))
+            return min(self._plain_price() / self.verify_scale, self._verify_rows(None))
         if rows >= self.verify_width:
             return self._verify_rows(None)
         if rows not in self._width:
             self._width[rows] = self._forward_s(self.target, rows, None, every_logit=True)
+            self._table = None
         return self._width[rows]
 
     @property
@@ -215,8 +256,17 @@ class MeasuredCostModel:
         with layer-parallel groups are left out (timed on first use)."""
         return {"verify_width": self.verify_width, "padded": self.padded, "context": self.context,
                 "linear": list(self._linear) if self._linear else None, "rows": list(self._rows) if self._rows else None,
-                "verify": self._verify, "width": {str(k): v for k, v in self._width.items()}, "plain": self._plain,
+                "verify": self._kept(self.verify_width, self._verify),
+                "width": {str(k): self._kept(k, v) for k, v in self._width.items()}, "plain": self._plain,
                 "full": self._full, "draft_scale": self.draft_scale, "verify_scale": self.verify_scale}
+
+    def _kept(self, rows: int, timed: float | None) -> float | None:
+        """A row count's timing to keep: the median of its rounds seen while decoding where there
+        are enough (on the timings' scale), so the next study starts from what decoding measured."""
+        seen = None if self.padded else self._seen.get(rows)
+        if timed is None or not seen or len(seen) < SEEN_MIN:
+            return timed
+        return statistics.median(seen) / self.verify_scale
 
     def restore(self, kept: dict[str, Any]) -> bool:
         """Take timings kept by ``timings`` when they were timed at this verify width and padding;
@@ -233,6 +283,7 @@ class MeasuredCostModel:
             self._plain, self._full = _seconds(kept.get("plain")), _seconds(kept.get("full"))
             self.draft_scale = _seconds(kept.get("draft_scale")) or 1.0
             self.verify_scale = _seconds(kept.get("verify_scale")) or 1.0
+            self._table = None
         except (TypeError, ValueError, IndexError, AttributeError):
             return False
         return True
@@ -241,22 +292,33 @@ class MeasuredCostModel:
         """Time now everything a controller's scoring may price: the plain step, the full verify,
         the draft step and its catch-up, and (unpadded) every verify row count. Otherwise a count
         is timed the first time it is priced, inside a request: on the 1.5B at int4 that made
-        request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget."""
+        request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget.
+        Each row count is timed twice, in two passes over them all, and the faster kept: a burst of
+        load on the machine seldom spans both."""
         self.plain_step_s(), self.verify_s(), self.draft_forward_s(None), self.catch_up_s(2.0)
         if fit_skips:  # plans that skip sub-layers are priced from the fit
             self._fit()
         if not self.padded:
             for rows in range(2, self.verify_width):
                 self._rows_s(rows)
+            for rows in range(2, self.verify_width):
+                again = self._forward_s(self.target, rows, None, every_logit=True)
+                self._width[rows] = min(self._width[rows], again)
+            self._table = None
 
     def plain_step_s(self) -> float:
         """One single-token target forward: a round of plain decoding (the bar every strategy must
         beat). Before any plain round is seen, the faster of two timed forwards; never above the
         price of a verify of two rows (of the full width where verifies pad)."""
+        if self.padded or self.verify_width <= 2:
+            return min(self._plain_price(), self._verify_rows(None) * self.verify_scale)
+        return min(self._plain_price(), self._price(2))
+
+    def _plain_price(self) -> float:
+        """The plain step timed, kept or seen (``observe_plain``), uncapped."""
         if self._plain is None:
             self._plain = self._forward_s(self.target, 1, None, best_of=VERIFY_TIMINGS)
-        wider = self._verify_rows(None if self.padded or self.verify_width <= 2 else 2.0) * self.verify_scale
-        return min(self._plain, wider)
+        return self._plain
 
     def observe_draft(self, predicted_s: float, measured_s: float) -> None:
         """Refresh from a decoded round: its predicted vs measured draft time."""
@@ -272,16 +334,21 @@ class MeasuredCostModel:
                 self._plain_seen.append(self._plain)
             self._plain_seen.append(measured_s)
             self._plain = statistics.median(self._plain_seen)
+            self._table = None
 
     def observe_verify(self, measured_s: float, rows: float | None = None) -> None:
         """Refresh from a decoded round's verify time (its first one replaces the timed forward
-        where verifies are padded; one of ``rows`` rows rescales the row model otherwise)."""
+        where verifies are padded; one of ``rows`` rows rescales the row model otherwise, and a
+        round of a whole row count joins that count's latest seen, whose median then prices it)."""
         if measured_s <= 0:
             return
         if self._verify is None and (self.padded or rows is None):
             self._verify, self.verify_scale = measured_s, 1.0
         else:
             self.verify_scale = (1 - EMA) * self.verify_scale + EMA * measured_s / self._verify_rows(rows)
+        if not self.padded and rows is not None and float(rows).is_integer() and 2 <= rows <= self.verify_width:
+            self._seen.setdefault(int(rows), deque(maxlen=PLAIN_OBSERVED)).append(measured_s)
+        self._table = None
 
 
 def _seconds(value: Any) -> float | None:

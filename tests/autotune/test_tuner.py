@@ -272,11 +272,12 @@ def test_a_burst_of_load_moves_the_plain_price_only_while_it_lasts(target, draft
     assert cost.plain_step_s() == pytest.approx(0.19)
 
 
-def test_a_plain_step_is_never_priced_above_a_two_row_verify(target, draft, monkeypatch):
-    """A timed plain step slower than a forward of two rows is noise (more rows, more work):
-    plain decoding is priced at most at the two-row verify, so one disturbed timing does not hand
-    every draft a speed-up it does not have (or, kept in the store, the next study too). Power
-    check: the timing alone is 3x the two-row price."""
+def test_no_row_count_is_priced_above_a_wider_one(target, draft, monkeypatch):
+    """A timed forward slower than one of more rows is noise (more rows, more work): plain
+    decoding is priced at most at the two-row verify and every row count at most at any wider
+    one, so one disturbed timing does not hand every draft a speed-up it does not have, or price
+    a length out (nor, kept in the store, for the next study). Power checks: the timings alone
+    are 3x (plain) and 3.6x (two rows) what they are priced at."""
     import autotune.tuning.cost_model as cm
     from autotune.timing import Timing
 
@@ -300,6 +301,54 @@ def test_a_plain_step_is_never_priced_above_a_two_row_verify(target, draft, monk
     assert cost.verify_scale < 1.0 and cost.plain_step_s() == pytest.approx(0.1 * cost.verify_scale)
     padded = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1)
     assert padded.plain_step_s() == pytest.approx(0.16)  # padded: every verify runs the full width
+    times[2] = 0.43  # a disturbed timing of two rows (4x three rows'), as kept by a study once
+    noisy = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, padded=False)
+    noisy.verify_s(3.0), noisy.verify_s(4.0), noisy.verify_s(2.0)
+    assert noisy._width[2] == 0.43  # power check: the timing itself is the disturbed one
+    assert noisy.verify_s(2.0) == pytest.approx(0.12) and noisy.plain_step_s() == pytest.approx(0.12)
+
+
+def test_verify_rounds_seen_price_their_row_count_and_are_kept(target, draft, monkeypatch):
+    """A row count's price follows the verify rounds of that count decoded lately (their median,
+    once ``SEEN_MIN`` were seen), not a timing taken once: one taken under load would otherwise
+    price that length out for the whole study, and for every study after it (the store keeps what
+    decoding measured). Power check: before the third round the inflated timing still prices it."""
+    times = {1: 0.09, 2: 0.1, 3: 0.3, 4: 0.35, 5: 0.4}  # three rows timed under load
+
+    def forward_s(self, lm, rows, plan, best_of=1, every_logit=False):
+        return times[rows]
+
+    monkeypatch.setattr(MeasuredCostModel, "_forward_s", forward_s)
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, padded=False)
+    cost.prepare()
+    assert cost.verify_s(3.0) == pytest.approx(0.3)
+    cost.observe_verify(0.12, 3.0)
+    cost.observe_verify(0.12, 3.0)
+    assert cost.verify_s(3.0) == pytest.approx(0.3 * cost.verify_scale)  # two seen: still the timing
+    cost.observe_verify(0.13, 3.0)
+    assert cost.verify_s(3.0) == pytest.approx(0.12)
+    assert cost.verify_s(4.0) == pytest.approx(0.35 * cost.verify_scale)  # not seen: its timing, rescaled
+    kept = cost.timings()
+    assert kept["width"]["3"] == pytest.approx(0.12 / cost.verify_scale) and kept["width"]["4"] == 0.35
+    again = MeasuredCostModel(draft=draft, target=target, verify_width=5, context=32, repeats=1, padded=False)
+    assert again.restore(kept) and again.verify_s(3.0) == pytest.approx(0.12)
+
+
+def test_prepare_times_each_row_count_twice_and_keeps_the_faster(target, draft, monkeypatch):
+    """``prepare`` times every row count in two passes and keeps the faster of each: a burst of
+    load seconds long slows one pass, not both. Power check: the first pass alone is disturbed."""
+    calls: list[int] = []
+
+    def forward_s(self, lm, rows, plan, best_of=1, every_logit=False):
+        calls.append(rows)
+        first = calls.count(rows) == 1
+        return (0.5 if first and rows in (3, 4) else 0.1) + 0.01 * rows
+
+    monkeypatch.setattr(MeasuredCostModel, "_forward_s", forward_s)
+    cost = MeasuredCostModel(draft=draft, target=target, verify_width=6, context=32, repeats=1, padded=False)
+    cost.prepare()
+    assert [calls.count(r) for r in (2, 3, 4, 5)] == [2, 2, 2, 2]
+    assert cost._width[3] == pytest.approx(0.13) and cost._width[4] == pytest.approx(0.14)
 
 
 # ---------------------------------------------------------------------------------- the tuner
