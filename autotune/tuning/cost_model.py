@@ -128,9 +128,10 @@ class MeasuredCostModel:
                        for i in range(best_of))
 
     def _full_s(self) -> float:
-        """One exact single-row draft forward, timed once: all a plan without skipped sub-layers needs."""
+        """One exact single-row draft forward, timed once (the faster of two: a first forward of a
+        model just loaded pays one-time costs): all a plan without skipped sub-layers needs."""
         if self._full is None:
-            self._full = self._forward_s(self.draft, 1, None)
+            self._full = self._forward_s(self.draft, 1, None, best_of=VERIFY_TIMINGS)
         return self._full
 
     def _fit(self) -> tuple[float, float, float]:
@@ -155,7 +156,8 @@ class MeasuredCostModel:
         if self._rows is None:
             full = self._full_s()
             wide = max(self.verify_width, 2)
-            self._rows = (full, max(self._forward_s(self.draft, wide, None) - full, 0.0) / (wide - 1))
+            wide_s = self._forward_s(self.draft, wide, None, best_of=VERIFY_TIMINGS)
+            self._rows = (min(full, wide_s), max(wide_s - full, 0.0) / (wide - 1))
         one, per_row = self._rows
         return (one + max(rows - 1.0, 0.0) * per_row) * self.draft_scale
 
