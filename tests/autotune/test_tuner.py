@@ -931,3 +931,20 @@ def test_a_candidate_priced_far_ahead_is_measured_at_once(target):
         if rush is not None:
             assert tuner.best.drafter == "prompt-lookup" and out.stats.drafted > 0
     assert first_measured[0.05] is not None and first_measured[None] == first_measured[0.05] + 1
+
+
+def test_the_held_out_text_is_priced_by_the_cost_model_alone(target, draft):
+    """``price_text`` prices a text the candidate just decoded: its replay knows what that text
+    accepts, so the strategy's correction (which holds how far window forecasts of acceptance
+    missed) is not applied again. Power check: a correction of 0.25 leaves the price unchanged."""
+    from autotune.tuning.candidates import price_text
+    from autotune.tuning.scoring import Window
+
+    decoder, tuner, _ = joint_tuner(target, draft)
+    tokens = PROMPT * 4 + PROMPT[:5]
+    look = Strategy(drafter="prompt-lookup", draft_length=4)
+    new = len(tokens) - len(PROMPT)
+    raw = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, look, tokens)[0].tokens_per_s
+    tuner.correction = lambda strategy: 0.25
+    n, seconds = price_text(tuner, decoder, look, tokens, new)
+    assert n == new and n / seconds == pytest.approx(raw) and raw > 1 / tuner.cost.plain_step_s()
