@@ -207,10 +207,14 @@ class MeasuredCostModel:
         out: dict[int, float] = {}
         cap = float("inf")
         for rows in sorted(timed, reverse=True):
-            seen = self._seen.get(rows)
-            own = statistics.median(seen) if seen and len(seen) >= SEEN_MIN else timed[rows] * self.verify_scale
-            cap = out[rows] = min(cap, own)
+            seen = self._seen_median(rows)
+            cap = out[rows] = min(cap, timed[rows] * self.verify_scale if seen is None else seen)
         return out
+
+    def _seen_median(self, rows: int) -> float | None:
+        """The median of the latest verify rounds of ``rows`` rows seen, once ``SEEN_MIN`` were (unpadded)."""
+        seen = None if self.padded else self._seen.get(rows)
+        return statistics.median(seen) if seen and len(seen) >= SEEN_MIN else None
 
     def _verify_rows(self, rows: float | None) -> float:
         """Unscaled timings: the full-width verify, or (unpadded) a verify of ``rows`` rows: the
@@ -265,10 +269,8 @@ class MeasuredCostModel:
     def _kept(self, rows: int, timed: float | None) -> float | None:
         """A row count's timing to keep: the median of its rounds seen while decoding where there
         are enough (on the timings' scale), so the next study starts from what decoding measured."""
-        seen = None if self.padded else self._seen.get(rows)
-        if timed is None or not seen or len(seen) < SEEN_MIN:
-            return timed
-        return statistics.median(seen) / self.verify_scale
+        seen = self._seen_median(rows)
+        return timed if timed is None or seen is None else seen / self.verify_scale
 
     def restore(self, kept: dict[str, Any]) -> bool:
         """Take timings kept by ``timings`` when they were timed at this verify width and padding;
@@ -336,7 +338,6 @@ class MeasuredCostModel:
                 self._plain_seen.append(self._plain)
             self._plain_seen.append(measured_s)
             self._plain = statistics.median(self._plain_seen)
-            self._table = None
 
     def observe_verify(self, measured_s: float, rows: float | None = None) -> None:
         """Refresh from a decoded round's verify time (its first one replaces the timed forward
