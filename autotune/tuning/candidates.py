@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import optuna
 
+from autotune.tuning.matchness import lookup_match
+from autotune.tuning.objective import predict_lookup_text
 from autotune.tuning.scoring import Window
 from autotune.tuning.tuner import OnlineTuner
 from runtime.decoding import Decoder
@@ -75,9 +77,13 @@ def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens:
     score there. Uncorrected: the replay knows what that text accepts, so the only error left is
     the cost model's (its timings and the scales decode rounds keep refreshing); a strategy's
     correction also holds how far its windows' forecasts of acceptance missed, and would count that
-    error a second time."""
+    error a second time. Prompt lookup is walked over the whole output as it decodes
+    (``lookup_walk``), the first token being the prefill's."""
     if new < 4:
         return None
+    if strategy.drafter == PROMPT_LOOKUP:
+        walked = predict_lookup_text(strategy, lookup_match(tokens, new, tuner.ctx.max_draft_length), tuner.cost)
+        return (new, (new - 1) / walked.tokens_per_s) if walked.tokens_per_s > 0 else None
     got = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, strategy, tokens)
     if got is None or got[0].tokens_per_s <= 0:
         return None

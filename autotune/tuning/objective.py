@@ -156,7 +156,18 @@ def predict_lookup(strategy: Strategy, match: LookupMatch, cost: CostModel, hori
     """Prompt lookup, replayed as it decodes (``lookup_rounds``): drafting is a dict lookup (no
     forward); a round that found a match verifies its 1 + proposed rows (the padded width where
     the decoder pads), one that found none is a plain single-row step."""
-    rounds = lookup_rounds(match, strategy.draft_length, horizon)
+    return _lookup_prediction(lookup_rounds(match, strategy.draft_length, horizon), cost)
+
+
+def predict_lookup_text(strategy: Strategy, match: LookupMatch, cost: CostModel) -> Prediction:
+    """Prompt lookup over a whole output (``match`` spans it all), walked as it decodes
+    (``lookup_walk``): what decoding that output again with ``strategy`` costs."""
+    return _lookup_prediction(lookup_walk(match, strategy.draft_length), cost)
+
+
+def _lookup_prediction(rounds: list[tuple[int, int, float]], cost: CostModel) -> Prediction:
+    """(accepted, proposed, weight) per round -> tokens/s: a round that found a match verifies its
+    1 + proposed rows, one that found none is a plain single-row step."""
     n = sum(w for _, _, w in rounds)
     if n <= 0:
         return predict_plain(cost)
@@ -190,16 +201,39 @@ def lookup_rounds(match: LookupMatch, k: int, horizon: int | None = None) -> lis
     return out
 
 
+def lookup_walk(match: LookupMatch, k: int) -> list[tuple[int, int, float]]:
+    """The rounds prompt lookup of length ``k`` decodes over a whole output (``match`` spans it:
+    position 0 is its first token), exactly as it decodes it: the first token is the prefill's,
+    the first round starts after it, each round proposes ``min(proposed[i], k)`` tokens (no more
+    than the output has left after the round's own token: decoding caps a draft by the tokens
+    still to generate), accepts ``min(accepted[i], proposed)`` and the next starts after them and
+    the target's token. -> (accepted, proposed, 1.0) per round.
+
+    ``lookup_rounds`` averages phases over the positions a longer draft still fits, which suits a
+    window in the middle of a stream; over a whole output it leaves out where the output starts
+    (often new text, decoded a token a round) and its end, and predicts too fast."""
+    w = len(match.proposed)
+    out: list[tuple[int, int, float]] = []
+    i = 1
+    while i < w:
+        p = min(match.proposed[i], k, w - i - 1)
+        a = min(match.accepted[i], p)
+        out.append((a, p, 1.0))
+        i += a + 1
+    return out
+
+
 def replay_lookup(strategy: Strategy, decoded: list[tuple[int, list[int]]], max_length: int,
                   cost: CostModel) -> float | None:
     """Prompt lookup's predicted tokens/s over whole texts (``decoded``: each prompt's length and
-    prompt + output), every output replayed in full as it would decode; None when none could be."""
+    prompt + output), every output walked in full as it would decode (``lookup_walk``); None when
+    none could be."""
     tokens = seconds = 0.0
     for start, seq in decoded:
         n = len(seq) - start
         if n < 2:
             continue
-        got = predict_lookup(strategy, lookup_match(seq, n, max_length), cost)
-        if got.tokens_per_s > 0:
-            tokens, seconds = tokens + n, seconds + n / got.tokens_per_s
+        got = predict_lookup_text(strategy, lookup_match(seq, n, max_length), cost)
+        if got.tokens_per_s > 0:  # the rounds decode all but the first token (the prefill's)
+            tokens, seconds = tokens + n, seconds + (n - 1) / got.tokens_per_s
     return tokens / seconds if seconds > 0 else None

@@ -11,7 +11,9 @@ from autotune.tuning.corrections import CORRECTION_RANGE
 from autotune.tuning.cost_model import FixedCostModel, MeasuredCostModel
 from autotune.tuning.matchness import TOP_K, LookupMatch, Match, matchness, score_logits
 from autotune.tuning.matchness import lookup_match
-from autotune.tuning.objective import predict, predict_lookup, predict_lookup_first, replay
+from autotune.tuning.objective import (
+    lookup_rounds, lookup_walk, predict, predict_lookup, predict_lookup_first, predict_lookup_text, replay,
+)
 from autotune.tuning.tuner import Kept, OnlineTuner, TunerSettings
 from runtime.decoding import Decoder, GenerationConfig
 from runtime.drafters import ModelDrafter, SelfDrafter, tree_shape
@@ -938,13 +940,37 @@ def test_the_held_out_text_is_priced_by_the_cost_model_alone(target, draft):
     accepts, so the strategy's correction (which holds how far window forecasts of acceptance
     missed) is not applied again. Power check: a correction of 0.25 leaves the price unchanged."""
     from autotune.tuning.candidates import price_text
-    from autotune.tuning.scoring import Window
 
     decoder, tuner, _ = joint_tuner(target, draft)
     tokens = PROMPT * 4 + PROMPT[:5]
-    look = Strategy(drafter="prompt-lookup", draft_length=4)
     new = len(tokens) - len(PROMPT)
-    raw = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, look, tokens)[0].tokens_per_s
+    look = Strategy(drafter="prompt-lookup", draft_length=4)
+    walked = predict_lookup_text(look, lookup_match(tokens, new, tuner.ctx.max_draft_length), tuner.cost)
     tuner.correction = lambda strategy: 0.25
     n, seconds = price_text(tuner, decoder, look, tokens, new)
-    assert n == new and n / seconds == pytest.approx(raw) and raw > 1 / tuner.cost.plain_step_s()
+    assert n == new and (n - 1) / seconds == pytest.approx(walked.tokens_per_s)
+    assert walked.tokens_per_s > 1 / tuner.cost.plain_step_s()
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_a_whole_output_walked_gives_the_rounds_lookup_decoded(target, k):
+    """Prompt lookup's price of a whole output (``lookup_walk``: the held-out text's price and the
+    task's replay) walks the rounds that decoding it with prompt lookup ran: the same forwards,
+    drafted and accepted tokens. Power check: the window replay (phases averaged over the
+    positions a longer draft still fits) counts other rounds on the same text."""
+    prompt = PROMPT + [7, 9, 61, 12] + PROMPT
+    n = 48
+    got = Decoder(target, PromptLookupDrafter(), k, verify_width=k + 1, kind="prompt-lookup").generate(
+        prompt, GenerationConfig(max_new_tokens=n))
+    assert got.tokens == Decoder(target).generate(prompt, GenerationConfig(max_new_tokens=n)).tokens
+    stats, seq = got.stats, prompt + got.tokens
+    assert stats.drafted > 0 and stats.accepted > 0 and len(got.tokens) == n
+    match = lookup_match(seq, n, k)
+    walked = lookup_walk(match, k)
+    drafting = [(a, p) for a, p, _ in walked if p > 0]
+    assert len(walked) + 1 == stats.target_forwards  # the prefill's forward gives the first token
+    assert sum(p for _, p in drafting) == stats.drafted and sum(a for a, _ in drafting) == stats.accepted
+    assert sum(a + 1 for a, _, _ in walked) == n - 1
+    phased = lookup_rounds(match, k, 12)
+    per_round = sum(w * (a + 1) for a, _, w in phased) / sum(w for _, _, w in phased)
+    assert per_round != pytest.approx((n - 1) / len(walked))
