@@ -3,7 +3,7 @@
 //
 // matmul: y[m, n] = dot(W[n], x[m]) with each activation row quantised on its own into the weight
 // type's vec_dot_type (from_float), then one dot product per (weight row, activation row): ggml's
-// vec_dot, or for Q4_K and Q6_K on AVX2 a kernel that decodes each weight block once for up to
+// vec_dot, or for Q4_K, Q6_K, Q5_0 and Q8_0 on AVX2 a kernel that decodes each weight block once for up to
 // kRows activation rows and gives each row the very arithmetic of ggml's AVX2 vec_dot (the same
 // integer lanes, the same float operations in the same order), so bit-identical to it; or, for Q4_K
 // rows repacked by eight (`repack`, repacked.h), one kernel whose arithmetic per pair is fixed at
@@ -77,7 +77,10 @@ struct Block {
 struct BlockQ4K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
 struct BlockQ6K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 struct BlockQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
+struct BlockQ50 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct BlockQ80 { uint16_t d; int8_t qs[32]; };
 static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210 && sizeof(BlockQ8K) == 292, "ggml block sizes");
+static_assert(sizeof(BlockQ50) == 22 && sizeof(BlockQ80) == 34, "ggml block sizes");
 
 using RowsFn = void (*)(int64_t, const uint8_t*, const uint8_t*, size_t, float*, int64_t);
 
@@ -223,6 +226,64 @@ void q6k_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_str
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
 }
 
+// Q5_0 and Q8_0 against Q8_0 (32 values a block): per block, the weight's signed values against the
+// row's in eight int32 lanes of four products each (ggml's mul_sum_i8_pairs_float: |w| times the
+// row's values signed by w), converted to float and added into the accumulator times d_w * d_x, as
+// ggml's AVX2 vec_dot does block by block. The weight block is decoded (and its signs taken) once
+// for the R rows. The lanes' integer sums are exact whichever instructions form them (no int16
+// pair saturates: |w| <= 128, |x| <= 127), so each row's float arithmetic is vec_dot's.
+inline __m256i lane_sums(__m256i aw, __m256i sx) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+    return _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(aw, sx));
+#endif
+}
+
+// Q5_0: the low nibbles (values 0..15, first half of the block) and high nibbles (second half),
+// each with its fifth bit from qh; a clear bit subtracts 16 (ggml: nibble | (~bit & 0xF0))
+inline __m256i q5_0_values(const BlockQ50& b) {
+    const __m128i tmp = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+    const __m256i nib = _mm256_and_si256(_mm256_set1_epi8(0xF), _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp));
+    uint32_t bits;
+    std::memcpy(&bits, b.qh, sizeof(bits));
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int32_t>(bits)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+}
+
+template <bool Five, int R>
+void q8_0_rows(int64_t k, const uint8_t* wrow, const uint8_t* xrows, size_t x_stride, float* out, int64_t out_stride) {
+    const BlockQ80* x[R];
+    for (int r = 0; r < R; ++r) x[r] = reinterpret_cast<const BlockQ80*>(xrows + r * x_stride);
+    const int64_t nb = k / 32;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+        float wd;
+        __m256i q;
+        if constexpr (Five) {
+            const auto& b = reinterpret_cast<const BlockQ50*>(wrow)[i];
+            wd = half_to_float(b.d);
+            q = q5_0_values(b);
+        } else {
+            const auto& b = reinterpret_cast<const BlockQ80*>(wrow)[i];
+            wd = half_to_float(b.d);
+            q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+        }
+        const __m256i aw = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; ++r) {
+            const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r][i].qs)), q);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * half_to_float(x[r][i].d)), _mm256_cvtepi32_ps(lane_sums(aw, sx)),
+                                     acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum8(acc[r]);
+}
+
 #include "repacked.h"
 
 // kRows rows at a time, then the rest in one pass of their own count
@@ -245,11 +306,15 @@ void by_rows(int64_t k, const uint8_t* w, const uint8_t* x, size_t x_stride, int
 
 template <int R> struct Q4K { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q4k_rows<R>(k, w, x, xs, o, os); } };
 template <int R> struct Q6K { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q6k_rows<R>(k, w, x, xs, o, os); } };
+template <int R> struct Q50 { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q8_0_rows<true, R>(k, w, x, xs, o, os); } };
+template <int R> struct Q80 { static void run(int64_t k, const uint8_t* w, const uint8_t* x, size_t xs, float* o, int64_t os) { q8_0_rows<false, R>(k, w, x, xs, o, os); } };
 
 RowsDot rows_kernel(ggml_type type) {
     switch (type) {
         case GGML_TYPE_Q4_K: return by_rows<Q4K>;
         case GGML_TYPE_Q6_K: return by_rows<Q6K>;
+        case GGML_TYPE_Q5_0: return by_rows<Q50>;
+        case GGML_TYPE_Q8_0: return by_rows<Q80>;
         default: return nullptr;
     }
 }
@@ -337,7 +402,7 @@ torch::Tensor matmul(const torch::Tensor& x_in, const std::vector<torch::Tensor>
         const uint8_t* base_ptr = weights[i].data_ptr<uint8_t>();
         for (int64_t r = 0; r < out_rows[i]; r += kRowBlock) {
             const int64_t count = std::min(kRowBlock, out_rows[i] - r);
-            const RowsDot rows_dot = packed || by_vec_dot || !rows_kernels_on || M == 1 || t->vec_dot_type != GGML_TYPE_Q8_K
+            const RowsDot rows_dot = packed || by_vec_dot || !rows_kernels_on || M == 1
                                          ? nullptr : rows_kernel(static_cast<ggml_type>(base[i]));
             blocks.push_back({base_ptr + (packed ? r / 8 : r) * rb, rb, n0 + r, count, t->vec_dot, rows_dot,
                               packed ? pack_kernel(base[i]) : nullptr,
@@ -785,6 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("w"), py::arg("type"), py::arg("k"), py::arg("release_source") = false,
           py::call_guard<py::gil_scoped_release>());
     m.def("can_repack", &can_repack);
+    m.def("has_rows_kernel", [](int64_t type) {
+        return type >= 0 && type < GGML_TYPE_COUNT && rows_kernel(static_cast<ggml_type>(type)) != nullptr;
+    }, "whether calls of several rows of this block type decode each weight block once for several rows");
     m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
           "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");

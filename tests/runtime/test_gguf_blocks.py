@@ -60,11 +60,14 @@ def test_the_invariance_check_has_power():
     assert not rows_invariant(ReorderedRows(w, None, blocks), x)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
 def test_the_multi_row_kernels_are_ggmls_vec_dot_bit_for_bit(kind):
-    """Q4_K and Q6_K decode each weight block once for several activation rows; every row still gets
-    ggml's own vec_dot result, at every row count (remainders of the 4-row pass, a tile boundary)."""
+    """Q4_K, Q6_K, Q5_0 and Q8_0 (the Qwen 0.5B draft's file is mostly Q5_0) decode each weight block
+    once for several activation rows; every row still gets ggml's own vec_dot result, at every row
+    count (remainders of the 4-row pass, a tile boundary)."""
     ops, t = kernels.load(), PACKAGED_TYPES[kind]
+    if "avx2" in ops.cpu_features() and "fma" in ops.cpu_features():
+        assert ops.has_rows_kernel(t)
     w = ops.quantize(torch.randn(24, 2560, generator=torch.Generator().manual_seed(3)), t)
     x = torch.randn(160, 2560, generator=torch.Generator().manual_seed(4)) * 3
     for m in (*range(1, 10), 31, 160):
