@@ -72,13 +72,13 @@ def best_lookup(tuner: OnlineTuner, space: SearchSpace, ctx: SpaceContext,
 def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens: list[int],
                new: int) -> tuple[int, float] | None:
     """The cost model's price of ``strategy`` on the last ``new`` tokens of ``tokens``, the text it
-    just decoded (one window over them: prompt lookup replayed, a drafting model's matchness in one
-    forward, from ``decoder``) -> (tokens, predicted seconds), or None where its drafter cannot
-    score there. Uncorrected: the replay knows what that text accepts, so the only error left is
-    the cost model's (its timings and the scales decode rounds keep refreshing); a strategy's
-    correction also holds how far its windows' forecasts of acceptance missed, and would count that
-    error a second time. Prompt lookup is walked over the whole output as it decodes
-    (``lookup_walk``), the first token being the prefill's."""
+    just decoded (prompt lookup walked over it round by round as it decodes, ``lookup_walk``, the
+    first token being the prefill's; a drafting model's matchness over one window of it, in one
+    forward, from ``decoder``) -> (tokens, predicted seconds of its decode rounds), or None where
+    its drafter cannot score there. Uncorrected: the replay knows what that text accepts, so the
+    only error left is the cost model's (its timings and the scales decode rounds keep
+    refreshing); a strategy's correction also holds how far its windows' forecasts of acceptance
+    missed, and would count that error a second time."""
     if new < 4:
         return None
     if strategy.drafter == PROMPT_LOOKUP:
