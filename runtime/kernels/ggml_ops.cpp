@@ -855,7 +855,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }, "whether calls of several rows of this block type decode each weight block once for several rows");
     m.def("repacked_type", [](int64_t type) { return type | kRepacked; });
     m.def("use_rows_kernels", [](bool on) { rows_kernels_on = on; },
-          "whether Q4_K / Q6_K matmuls of several rows take the rows kernels (default) or vec_dot per pair");
+          "whether matmuls of several rows take the rows kernels (Q4_K, Q6_K, Q5_0, Q8_0; default) or vec_dot per pair");
     m.def("has_dot", &has_dot);
     m.def("cpu_features", &cpu_features);
 }
