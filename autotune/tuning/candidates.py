@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.tuning.matchness import lookup_match
-from autotune.tuning.objective import predict_lookup_text
+from autotune.tuning.objective import replay_lookup
 from autotune.tuning.scoring import Window
 from autotune.tuning.tuner import OnlineTuner
 from runtime.decoding import Decoder
@@ -82,8 +81,8 @@ def price_text(tuner: OnlineTuner, decoder: Decoder, strategy: Strategy, tokens:
     if new < 4:
         return None
     if strategy.drafter == PROMPT_LOOKUP:
-        walked = predict_lookup_text(strategy, lookup_match(tokens, new, tuner.ctx.max_draft_length), tuner.cost)
-        return (new, (new - 1) / walked.tokens_per_s) if walked.tokens_per_s > 0 else None
+        tps = replay_lookup(strategy, [(len(tokens) - new, tokens)], tuner.ctx.max_draft_length, tuner.cost)
+        return (new, new / tps) if tps else None
     got = Window(new, tuner.ctx.max_draft_length, tuner.cost).predict(decoder, strategy, tokens)
     if got is None or got[0].tokens_per_s <= 0:
         return None
