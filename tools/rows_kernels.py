@@ -6,9 +6,10 @@ the model runs), checked row-invariant, with its largest difference to vec_dot's
 are random, quantised by ggml (a matrix this size sits in a large L3: one row here is faster than
 in a whole model's step). With ``--prefill N``, also the packaged 1.5B's prefill of an N-token
 prompt at gguf, the Q6_K rows kernels switched off and on in turn (three rounds each, the fastest
-kept).
+kept). With ``--draft``, also the packaged 0.5B draft's forward (mostly Q5_0 blocks) at 1-182 rows,
+the rows kernels switched off and on in turn, twice.
 
-    python tools/rows_kernels.py [--prefill 512]
+    python tools/rows_kernels.py [--prefill 512] [--draft]
 """
 from __future__ import annotations
 
@@ -47,9 +48,27 @@ def prefill(tokens: int) -> None:
         print(f"| {label} | {best[on] * 1e3 / tokens:.1f} |")
 
 
+def draft_rows() -> None:
+    from autotune.tuning.cost_model import forward_seconds
+    from runtime.pipeline import ModelPool
+
+    ops = load()
+    pool = ModelPool()
+    lm = pool.served(pool.get("qwen2.5-coder-0.5b", "gguf"))
+    widths = (1, 4, 8, 13, 64, 182)
+    print("\n| 0.5B draft forward, ms (after 192 cached rows; 182 rows after none) | "
+          + " | ".join(str(r) for r in widths) + " |\n|---|" + "---|" * len(widths))
+    for on in (False, True, False, True):
+        ops.use_rows_kernels(on)
+        ms = [forward_seconds(lm, r, 192 if r < 100 else 0, repeats=3) * 1e3 for r in widths]
+        print(f"| {'rows kernels' if on else 'vec_dot per pair'} | " + " | ".join(f"{m:.1f}" for m in ms) + " |")
+    ops.use_rows_kernels(True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefill", type=int, default=0, help="also time the 1.5B's prefill of this many tokens")
+    parser.add_argument("--draft", action="store_true", help="also time the 0.5B draft's forwards by rows")
     args = parser.parse_args()
     torch.manual_seed(0)
     ops = load()
@@ -77,6 +96,8 @@ def main() -> None:
             print(line)
     if args.prefill:
         prefill(args.prefill)
+    if args.draft:
+        draft_rows()
 
 
 if __name__ == "__main__":
