@@ -19,7 +19,6 @@ import argparse
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -74,22 +73,13 @@ def peak_macs(threads: int) -> float:
     return max(float(r) for r in runs)
 
 
-def best_ms(step, repeats: int = 5) -> float:
-    step()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--rows", type=int, default=16)
     args = parser.parse_args()
     from autotune.measure.profile import forward_step, served_lm
+    from autotune.timing import time_calls
     from runtime.pipeline import ModelPool
 
     threads = torch.get_num_threads()
@@ -97,8 +87,8 @@ def main() -> None:
     lm = served_lm(ModelPool().get(args.model, "gguf"))
     linears = [lin for layer in lm.linears for lin in layer.values()] + [lm.head]
     macs = sum(lin.source.rows_total * lin.source.k for lin in linears)
-    row = best_ms(forward_step(lm, 256, 1, None, False))
-    rows = best_ms(forward_step(lm, 256, args.rows, None, False))
+    row = time_calls(forward_step(lm, 256, 1, None, False), repeats=5).best * 1e3
+    rows = time_calls(forward_step(lm, 256, args.rows, None, False), repeats=5).best * 1e3
     floor = args.rows * macs / many * 1e3
     print(f"| peak, 1 thread | peak, {threads} threads | MACs a row | 1 row ms | {args.rows} rows ms "
           f"| x one row | {args.rows}-row rate / peak | floor at the peak, ms | floor / 1 row |")

@@ -10,9 +10,8 @@
 //
 // Arithmetic, per (weight row, activation row), fixed whatever the number of rows computed together,
 // so a row's result depends on that row alone (row-invariant): per super-block, each sub-block's
-// products summed exactly (AVX2: in int16, 8 maddubs of 4 values, at most 8 x 2 x 15 x 128 = 30,720;
-// VNNI: in int32 by dpbusd) and times its scale in int32; the mins against the Q8_K block sums in int32; then
-// acc += (d * x.d) * sumi and acc_m += (dmin * x.d) * msum in float, and acc - acc_m at the end.
+// products summed exactly (add_products) and times its scale in int32; the mins against the Q8_K
+// block sums in int32; then acc += (d * x.d) * sumi and acc_m += (dmin * x.d) * msum in float, and acc - acc_m at the end.
 // Not ggml's vec_dot's float order (that sums eight lanes per row): close to it, not bit-identical.
 struct BlockQ4Kx8 {
     uint16_t d[8], dmin[8];
@@ -45,6 +44,21 @@ inline void repack_q4k_x8(const BlockQ4K* rows, int64_t nb, BlockQ4Kx8* out) {
     }
 }
 
+// A sub-block's products, eight weight rows (c) at a time, both exact: with AVX-512 VNNI row c's four
+// products go straight into int32 lane c (dpbusd; at most 32 x 15 x 127 = 60,960 a sub-block); else
+// into int16 lanes 2c, 2c + 1 (maddubs; at most 8 x 2 x 15 x 128 = 30,720), and times_scales' madd
+// forms the int32 sum. Either way row c's int32 is sum x scale: the same integer, the same bits after.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i add_products(__m256i sum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(sum, w, x); }
+// sum x each row's scale (eight bytes, one a row) in int32 lane c
+inline __m256i times_scales(__m256i sum, __m128i scales) { return _mm256_mullo_epi32(sum, _mm256_cvtepu8_epi32(scales)); }
+#else
+inline __m256i add_products(__m256i sum, __m256i w, __m256i x) { return _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, x)); }
+inline __m256i times_scales(__m256i sum, __m128i scales) {
+    return _mm256_madd_epi16(sum, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)));  // the scale in both lanes
+}
+#endif
+
 // R activation rows (Q8_K, x_stride bytes apart) against eight repacked weight rows:
 // out[r * out_stride + c] for weight row c < 8
 template <int R>
@@ -62,52 +76,24 @@ void q4k_x8_rows(int64_t k, const uint8_t* pack, const uint8_t* xrows, size_t x_
         __m256i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
+            __m256i lo_sum[R], hi_sum[R];  // each sub-block's products (add_products' lanes)
+            for (int r = 0; r < R; ++r) { lo_sum[r] = _mm256_setzero_si256(); hi_sum[r] = _mm256_setzero_si256(); }
+            for (int g = 0; g < 8; ++g) {
+                const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs[j][g]));
+                const __m256i lo = _mm256_and_si256(bits, m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                for (int r = 0; r < R; ++r) {
+                    int32_t yl, yh;
+                    std::memcpy(&yl, x[r][i].qs + 64 * j + 4 * g, 4);
+                    std::memcpy(&yh, x[r][i].qs + 64 * j + 32 + 4 * g, 4);
+                    lo_sum[r] = add_products(lo_sum[r], lo, _mm256_set1_epi32(yl));
+                    hi_sum[r] = add_products(hi_sum[r], hi, _mm256_set1_epi32(yh));
+                }
+            }
             const __m128i s_lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j]));
             const __m128i s_hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j + 1]));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            // dpbusd: row c's four products straight into int32 lane c, summed over the eight groups
-            // (exact: at most 32 x 15 x 127 = 60,960 a sub-block), then times the scale in int32
-            __m256i lo_sum[R], hi_sum[R];
-            for (int r = 0; r < R; ++r) { lo_sum[r] = _mm256_setzero_si256(); hi_sum[r] = _mm256_setzero_si256(); }
-            for (int g = 0; g < 8; ++g) {
-                const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs[j][g]));
-                const __m256i lo = _mm256_and_si256(bits, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                for (int r = 0; r < R; ++r) {
-                    int32_t yl, yh;
-                    std::memcpy(&yl, x[r][i].qs + 64 * j + 4 * g, 4);
-                    std::memcpy(&yh, x[r][i].qs + 64 * j + 32 + 4 * g, 4);
-                    lo_sum[r] = _mm256_dpbusd_epi32(lo_sum[r], lo, _mm256_set1_epi32(yl));
-                    hi_sum[r] = _mm256_dpbusd_epi32(hi_sum[r], hi, _mm256_set1_epi32(yh));
-                }
-            }
-            const __m256i scale_lo = _mm256_cvtepu8_epi32(s_lo);
-            const __m256i scale_hi = _mm256_cvtepu8_epi32(s_hi);
             for (int r = 0; r < R; ++r)
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_mullo_epi32(lo_sum[r], scale_lo),
-                                                                     _mm256_mullo_epi32(hi_sum[r], scale_hi)));
-#else
-            __m256i lo_sum[R], hi_sum[R];  // int16: row c's products in lanes 2c, 2c + 1
-            for (int r = 0; r < R; ++r) { lo_sum[r] = _mm256_setzero_si256(); hi_sum[r] = _mm256_setzero_si256(); }
-            for (int g = 0; g < 8; ++g) {
-                const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs[j][g]));
-                const __m256i lo = _mm256_and_si256(bits, m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                for (int r = 0; r < R; ++r) {
-                    int32_t yl, yh;
-                    std::memcpy(&yl, x[r][i].qs + 64 * j + 4 * g, 4);
-                    std::memcpy(&yh, x[r][i].qs + 64 * j + 32 + 4 * g, 4);
-                    lo_sum[r] = _mm256_add_epi16(lo_sum[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(yl)));
-                    hi_sum[r] = _mm256_add_epi16(hi_sum[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yh)));
-                }
-            }
-            // each row's scale in both of its int16 lanes
-            const __m256i scale_lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s_lo, s_lo));
-            const __m256i scale_hi = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s_hi, s_hi));
-            for (int r = 0; r < R; ++r)
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(lo_sum[r], scale_lo),
-                                                                     _mm256_madd_epi16(hi_sum[r], scale_hi)));
-#endif
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(times_scales(lo_sum[r], s_lo), times_scales(hi_sum[r], s_hi)));
         }
         __m256i msum[R];  // per row: sum over sub-blocks of min * (the activation's sum over that sub-block)
         for (int r = 0; r < R; ++r) msum[r] = _mm256_setzero_si256();
