@@ -11,7 +11,8 @@
 // Arithmetic, per (weight row, activation row), fixed whatever the number of rows computed together,
 // so a row's result depends on that row alone (row-invariant): per super-block, each sub-block's
 // products summed exactly (add_products) and times its scale in int32; the mins against the Q8_K
-// block sums in int32; then acc += (d * x.d) * sumi and acc_m += (dmin * x.d) * msum in float, and acc - acc_m at the end.
+// block sums in int32; then acc += (d * x.d) * sumi and acc_m += (dmin * x.d) * msum in float,
+// and acc - acc_m at the end.
 // Not ggml's vec_dot's float order (that sums eight lanes per row): close to it, not bit-identical.
 struct BlockQ4Kx8 {
     uint16_t d[8], dmin[8];
@@ -48,15 +49,15 @@ inline void repack_q4k_x8(const BlockQ4K* rows, int64_t nb, BlockQ4Kx8* out) {
 // products go straight into int32 lane c (dpbusd; at most 32 x 15 x 127 = 60,960 a sub-block); else
 // into int16 lanes 2c, 2c + 1 (maddubs; at most 8 x 2 x 15 x 128 = 30,720), and times_scales' madd
 // forms the int32 sum. Either way row c's int32 is sum x scale: the same integer, the same bits after.
+// scale_lanes: the eight rows' scales (one byte a row) laid out as times_scales takes them.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 inline __m256i add_products(__m256i sum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(sum, w, x); }
-// sum x each row's scale (eight bytes, one a row) in int32 lane c
-inline __m256i times_scales(__m256i sum, __m128i scales) { return _mm256_mullo_epi32(sum, _mm256_cvtepu8_epi32(scales)); }
+inline __m256i scale_lanes(__m128i scales) { return _mm256_cvtepu8_epi32(scales); }
+inline __m256i times_scales(__m256i sum, __m256i lanes) { return _mm256_mullo_epi32(sum, lanes); }
 #else
 inline __m256i add_products(__m256i sum, __m256i w, __m256i x) { return _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, x)); }
-inline __m256i times_scales(__m256i sum, __m128i scales) {
-    return _mm256_madd_epi16(sum, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)));  // the scale in both lanes
-}
+inline __m256i scale_lanes(__m128i scales) { return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(scales, scales)); }
+inline __m256i times_scales(__m256i sum, __m256i lanes) { return _mm256_madd_epi16(sum, lanes); }
 #endif
 
 // R activation rows (Q8_K, x_stride bytes apart) against eight repacked weight rows:
@@ -90,10 +91,11 @@ void q4k_x8_rows(int64_t k, const uint8_t* pack, const uint8_t* xrows, size_t x_
                     hi_sum[r] = add_products(hi_sum[r], hi, _mm256_set1_epi32(yh));
                 }
             }
-            const __m128i s_lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j]));
-            const __m128i s_hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j + 1]));
+            const __m256i scale_lo = scale_lanes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j])));
+            const __m256i scale_hi = scale_lanes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales[2 * j + 1])));
             for (int r = 0; r < R; ++r)
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(times_scales(lo_sum[r], s_lo), times_scales(hi_sum[r], s_hi)));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(times_scales(lo_sum[r], scale_lo),
+                                                                     times_scales(hi_sum[r], scale_hi)));
         }
         __m256i msum[R];  // per row: sum over sub-blocks of min * (the activation's sum over that sub-block)
         for (int r = 0; r < R; ++r) msum[r] = _mm256_setzero_si256();
