@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
-from autotune.measure.replay import ReplayClient, ReplaySettings
+from autotune.measure.replay import ReplayClient, ReplaySettings, rotated
 from studies.prompt import render_prompt
 from studies.stream import StreamRequest
 from studies.stream_request import conversations
@@ -265,13 +265,6 @@ def measure_point(client: ReplayClient, model: str, requests: Sequence[StreamReq
                   server: str = "server") -> LoadPoint:
     """Send every request in ``mode`` from ``concurrency`` closed-loop clients, once."""
     return _point([_send(client, model, requests, mode, concurrency)], server, mode, concurrency)
-
-
-def rotated(modes: Sequence[str], round_: int) -> list[str]:
-    """The order of ``modes`` in round ``round_`` (0-based): each round starts one mode later, so no
-    mode always runs first (on the server as the previous level's traffic left it) or last."""
-    k = round_ % len(modes) if modes else 0
-    return list(modes[k:]) + list(modes[:k])
 
 
 def interleaved(requests: Sequence[StreamRequest]) -> list[StreamRequest]:

@@ -2,8 +2,8 @@
 
 Every request of the stream is sent once per mode (``auto``, ``plain``, ``default`` or a stored
 strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
-(request 0 in every mode, one after another, then request 1, ...) so the modes see the same server
-state, greedily (temperature 0) with the completion's token ids returned. The mode ``chosen`` sends
+(request 0 in every mode, one after another, then request 1, ...; the order rotates from one request
+to the next, ``send_order``) so the modes see the same server state, greedily (temperature 0) with the completion's token ids returned. The mode ``chosen`` sends
 the request again right after its ``auto`` one, forcing the strategy ``auto`` started it on
 (``forced_mode``): what ``auto``'s routing, clustering and control cost beside the same strategy.
 Requests go with ``"cache_prompt": false`` unless ``cache_prompt``: a mode sent after another would
@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from autotune.choices import STRATEGY_CHOICES
@@ -26,6 +26,7 @@ from studies.stream import StreamRequest
 from studies.stream_request import conversations
 
 DEFAULT_MODES: tuple[str, ...] = ("auto", "plain", "default")
+T = TypeVar("T")
 CHOSEN = "chosen"  # the strategy ``auto`` started a request on, forced (sent right after the ``auto`` one)
 
 
@@ -276,16 +277,37 @@ def forced_mode(auto: ReplayRecord) -> str | None:
     return auto.strategy if auto.strategy in ("plain", "default") or auto.strategy.isdigit() else None
 
 
+def send_order(modes: Sequence[str], index: int) -> list[str]:
+    """The order request ``index``'s modes are sent in: ``modes`` rotated by ``index``, so each mode
+    goes first as often as the others over a stream (whatever drifts during a request's sends - the
+    machine's clock, another tenant - falls on every mode alike); ``chosen`` stays right after
+    ``auto``, whose choice it forces."""
+    units: list[list[str]] = []
+    for mode in modes:
+        if mode == CHOSEN:  # parse_modes puts auto before it
+            next(u for u in units if "auto" in u).append(mode)
+        else:
+            units.append([mode])
+    return [m for unit in rotated(units, index) for m in unit]
+
+
+def rotated(items: Sequence[T], round_: int) -> list[T]:
+    """The order of ``items`` (modes) in round ``round_`` (0-based): each round starts one item
+    later, so none always runs first (on the server as the previous traffic left it) or last."""
+    k = round_ % len(items) if items else 0
+    return list(items[k:]) + list(items[:k])
+
+
 def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, concurrency: int = 1,
            progress: Callable[[ReplayRecord], None] | None = None) -> list[ReplayRecord]:
     """Send every request in every mode with ``send`` (a request's modes one after another, in
-    ``modes`` order; ``concurrency`` requests at a time, a conversation's requests in order from one
-    sender) -> the records by request, then mode (``chosen`` only where ``forced_mode`` could force
-    one)."""
+    ``send_order``; ``concurrency`` requests at a time, a conversation's requests in order from one
+    sender) -> the records by request, each request's in the order sent (``chosen`` only where
+    ``forced_mode`` could force one)."""
     def one(request: StreamRequest) -> list[ReplayRecord]:
         out: list[ReplayRecord] = []
         auto = None
-        for mode in modes:
+        for mode in send_order(modes, request.index):
             if mode == CHOSEN:
                 forced = forced_mode(auto) if auto is not None else None
                 if forced is None:

@@ -3,8 +3,9 @@ check across modes, a rich table, the JSON file and the tok/s-over-the-stream pl
 
 Everything here is a pure function of replay records
 (:class:`autotune.measure.replay.ReplayRecord`; no server). Tok/s is total completion
-tokens / total decode time (each request's tokens over its tok/s), acceptance is accepted /
-drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
+tokens / total decode time (each request's tokens over its tok/s, its prefill included); "after
+1st" is the tokens after each request's first over the time after it (its prefill left out);
+acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
 changes of the strategy label between consecutive requests of a category, and tuning counts
 requests answered while their route re-tuned. For requests a controller drove (``auto`` on a
 server with request control): the share of them whose controller switched strategy, their final
@@ -52,11 +53,16 @@ def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
     rounds = sum(r.draft_rounds for r in records)
     routes = Counter(str(r.route) for r in records)
     n = len(records)
+    after_first_s = sum(max(r.latency_s - r.ttft_s, 0.0) for r in records)
     controlled = [r for r in records if r.control_switches is not None]
     control_decode_s = sum(r.decode_s for r in controlled)
     return {
         "requests": n, "completion_tokens": tokens, "decode_s": decode_s,
         "tokens_per_s": tokens / decode_s if decode_s > 0 else 0.0,
+        # the tokens after the first over the time after it: decoding alone, each prompt's prefill left
+        # out (the same work in every mode, whose spread between two sends is the machine's, not a mode's)
+        "after_first_tokens_per_s": sum(max(r.completion_tokens - 1, 0) for r in records) / after_first_s
+        if after_first_s > 0 else 0.0,
         "drafted": drafted, "accepted": accepted, "draft_rounds": rounds,
         "acceptance": accepted / drafted if drafted else 0.0,
         "mean_accepted": (accepted + rounds) / rounds if rounds else 1.0,
@@ -212,12 +218,13 @@ def format_table(report: Mapping[str, Any]) -> str:
     cfg = report.get("config") or {}
     title = "replay" + (f" {cfg['stream']} on {cfg['url']}" if cfg else "")
     table = Table(title=title, caption=_caption(report))
-    for col in ("category", "mode", "requests", "tok/s", "acceptance", "M", "route", "switches", "tuning",
+    for col in ("category", "mode", "requests", "tok/s", "after 1st", "acceptance", "M", "route", "switches", "tuning",
                 "switched in request", "control cost", "differ"):
         table.add_column(col, justify="left" if col in ("category", "mode", "route") else "right")
     for r in report["rows"]:
         switched, cost = r.get("controller_switched"), r.get("controller_share")
         table.add_row(r["category"], r["mode"], str(r["requests"]), f"{r['tokens_per_s']:.2f}",
+                      f"{r['after_first_tokens_per_s']:.2f}",
                       f"{r['acceptance']:.2f}", f"{r['mean_accepted']:.2f}", _route_text(r), str(r["switches"]),
                       str(r["tuning_requests"]), "-" if switched is None else f"{switched:.0%}",
                       "-" if cost is None else f"{cost:.2%}", str(r["differ"]),

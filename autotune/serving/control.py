@@ -10,6 +10,7 @@ switch). With no live figure yet, the start-up judgement stands (``unknown_start
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -19,13 +20,14 @@ from autotune.serving.jobs import EXPLICIT_ROUTES, Job, Running, live_keys
 from autotune.serving.routing.router import UNKNOWN
 from autotune.tuning.controller import ControlSettings, RequestController, RoutePriors, controller_cost, \
     decoder_options, lookup_candidate
-from autotune.tuning.corrections import Corrections
+from autotune.tuning.corrections import Corrections, KindCorrections
 from autotune.tuning.cost_model import MeasuredCostModel
 from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, RouteAcceptance, pays_alone
 from runtime.decoding import Decoder
 from search_spaces.strategy import PLAIN, Strategy
 
 log = logging.getLogger("autotune.serve")
+KINDS_KEPT = 256  # kinds of traffic (routes, pending clusters) whose own corrections a server keeps
 
 
 class Control:
@@ -35,6 +37,7 @@ class Control:
         self.settings, self.decoders = settings, decoders
         self.acceptance = acceptance  # the worker's live acceptance per route and cluster (``jobs.live_keys``)
         self.corrections = Corrections()  # measured / predicted speed per strategy, learned from every request
+        self._kinds: OrderedDict[str, Corrections] = OrderedDict()  # ... and per kind of traffic (``kind``)
         self.priors = RoutePriors()  # where each route's requests start: what its latest requests ended on
         self._costs: dict[tuple, MeasuredCostModel] = {}  # cost models, per drafting model and target
 
@@ -45,6 +48,18 @@ class Control:
             return []
         look = lookup_candidate(self.settings.lookup_length, self.settings.lookup_length + 1)
         return [look] if look is not None else []
+
+    def kind(self, job: Job) -> KindCorrections:
+        """The corrections ``job``'s controller prices with: its kind's own (its pending cluster's,
+        else its route's; the ``KINDS_KEPT`` kinds seen last), beside the server's."""
+        key = live_keys(job)[-1]
+        own = self._kinds.get(key)
+        if own is None:
+            own = self._kinds[key] = Corrections(self.corrections.memory_tokens)
+            while len(self._kinds) > KINDS_KEPT:
+                self._kinds.popitem(last=False)
+        self._kinds.move_to_end(key)
+        return KindCorrections(self.corrections, own)
 
     def cost(self, dec: Decoder) -> MeasuredCostModel:
         """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
@@ -111,7 +126,7 @@ class Control:
         start = self.live_start(job, strategy, dec) or \
             self.priors.start(job.choice.route, strategy, decoder_options(strategy, dec, self.settings),
                               job.choice.distance)
-        return RequestController(strategy, dec, self.cost(dec), len(job.ids), self.settings, self.corrections,
+        return RequestController(strategy, dec, self.cost(dec), len(job.ids), self.settings, self.kind(job),
                                  start=start, max_new_tokens=job.cfg.max_new_tokens)
 
     @staticmethod
@@ -136,6 +151,8 @@ class Control:
         """``r``'s controller is done: its summary on the job, and where it ended teaches its route."""
         if r.control is None:
             return
+        seq = r.member.seq
+        r.control.finish(seq.prompt + seq.out, seq.stats)  # its last stretch teaches the corrections too
         r.job.control = r.control.summary(decode_s=decode_s)
         # a request too short to decide says nothing about its route, and ``unknown`` is every
         # unseen kind at once: what one kind ended on is no prior for the next

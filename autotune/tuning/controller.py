@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.tuning.budget import Budget
-from autotune.tuning.corrections import Corrections
+from autotune.tuning.corrections import Corrections, KindCorrections
 from autotune.tuning.cost_model import CostModel
 from autotune.tuning.objective import Prediction
 from autotune.tuning.scoring import Window
@@ -186,7 +186,8 @@ class RequestController:
     (``Decoder.generate(..., before_round=...)``; the server's batch calls it per sequence)."""
 
     def __init__(self, prior: Strategy, decoder: Decoder, cost: CostModel, prompt_len: int,
-                 settings: ControlSettings = ControlSettings(), corrections: Corrections | None = None,
+                 settings: ControlSettings = ControlSettings(),
+                 corrections: Corrections | KindCorrections | None = None,
                  clock: Callable[[], float] = time.perf_counter, start: Strategy | None = None,
                  max_new_tokens: int | None = None) -> None:
         """``prior``: the route's strategy (its candidates are built around it); ``start``: where
@@ -195,7 +196,7 @@ class RequestController:
         not complete before it scores nothing: only the measured guard runs)."""
         self.prior, self.cost, self.settings, self.clock = prior, cost, settings, clock
         self.max_new_tokens = max_new_tokens
-        self.corrections = corrections if corrections is not None else Corrections()
+        self.corrections: Corrections | KindCorrections = corrections if corrections is not None else Corrections()
         self.options = decoder_options(prior, decoder, settings)
         self.horizon = max([s.draft_length for s in self.options if s.speculates] or [1])
         self.window = Window(settings.window, self.horizon, cost)
@@ -266,13 +267,27 @@ class RequestController:
             self._spec_rounds.pop(0)
 
     # ------------------------------------------------------------------ decisions
+    def finish(self, tokens: list[int], stats: DecodeStats) -> None:
+        """The request ended: its last rounds teach the corrections what its current strategy
+        decoded since the last decision (no round follows to do it)."""
+        self._account(tokens, stats)
+        self._learn()
+
+    def _learn(self) -> None:
+        """What the current strategy measured since it was chosen, against its prediction then,
+        goes to the corrections (a speculative strategy with ``min_measured`` tokens decoded alone)."""
+        if self._measured() is not None and self._predicted and self.current.speculates:
+            self.corrections.observe(self.current, self._predicted, self._stretch.tokens, self._stretch.seconds)
+            self._predicted, self._stretch = None, _Stretch()  # observed once
+
     def _guard_only(self, decoder: Decoder, generated: int) -> bool:
         """Speculation measured slower than plain decoding stops here (``stopped``) -> whether it did."""
         plain_tps = 1.0 / self.cost.plain_step_s()
         if not (self.current.speculates and self._guard_trips(plain_tps)):
             return False
-        self._switch(decoder, PLAIN, generated, {label(self.current): self._measured() or 0.0, "plain": plain_tps},
-                     "guard")
+        scores = {label(self.current): self._measured() or 0.0, "plain": plain_tps}
+        self._learn()
+        self._switch(decoder, PLAIN, generated, scores, "guard")
         self.stopped = True
         return True
 
@@ -281,8 +296,7 @@ class RequestController:
         measured = self._measured()
         if self._guard_only(decoder, generated):
             return
-        if measured is not None and self._predicted and self.current.speculates:
-            self.corrections.observe(self.current, self._predicted, self._stretch.tokens, self._stretch.seconds)
+        self._learn()
         scores: dict[Strategy, float] = {}
         raw: dict[Strategy, float] = {}  # uncorrected predictions (what a measurement corrects)
         model_s, may_model = 0.0, self._may_score_model()

@@ -82,3 +82,37 @@ class Corrections:
         same = [_clamped(r) for s, ev in self.evidence.items() if s.drafter == strategy.drafter
                 and (r := ev.ratio) is not None]
         return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
+
+
+class KindCorrections:
+    """One kind of traffic's view of a server's corrections (a route, or a pending cluster of
+    unknown requests): its own evidence first, the server's beside it.
+
+    Prompt lookup predicted from a window of code repeats what the code repeats; on chat or maths
+    text one window's repeats promise more than the next windows hold, so one factor per strategy
+    for every kind of text prices lookup for chat with code's evidence. ``factor`` is this kind's
+    own factor for the strategy, else its own drafter kind's mean, else the server's factor;
+    ``observe`` adds to both. What scoring a drafting model cost (``model_s``) is the server's."""
+
+    def __init__(self, shared: Corrections, own: Corrections | None = None) -> None:
+        self.shared = shared
+        self.own = own if own is not None else Corrections(shared.memory_tokens)
+
+    @property
+    def model_s(self) -> float | None:
+        return self.shared.model_s
+
+    @model_s.setter
+    def model_s(self, value: float | None) -> None:
+        self.shared.model_s = value
+
+    def observe(self, strategy: Strategy, predicted: float | Sequence[float], tokens: int, seconds: float) -> None:
+        self.own.observe(strategy, predicted, tokens, seconds)
+        self.shared.observe(strategy, predicted, tokens, seconds)
+
+    def factor(self, strategy: Strategy) -> float:
+        if not strategy.speculates:
+            return 1.0
+        if any(s.drafter == strategy.drafter and ev.ratio is not None for s, ev in self.own.evidence.items()):
+            return self.own.factor(strategy)
+        return self.shared.factor(strategy)

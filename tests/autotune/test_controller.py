@@ -363,3 +363,27 @@ def test_a_plain_prior_on_a_lookup_decoder_can_reach_lookup(hf_target):
     looked = Decoder(target, PromptLookupDrafter(), 8, verify_width=16, kind="prompt-lookup")
     looked.apply(PLAIN)
     assert decoder_options(PLAIN, looked, SETTINGS) == [PLAIN, Strategy(drafter="prompt-lookup", draft_length=8)]
+
+
+def test_the_last_stretch_of_a_request_teaches_the_corrections(hf_target):
+    """No round follows a request's last one: ``finish`` hands what its strategy decoded since the
+    last decision to the corrections (a request that switched to a strategy that then lost teaches
+    the next one even when it ended before another decision)."""
+    settings = ControlSettings(window=WINDOW, guard_tokens=NEVER, max_share=1.0, min_measured=1)
+    cost = FixedCostModel(draft_full_s=0.0, verify_const_s=1.0)  # a 1 s plain step: the measured chain is kept
+    dec = decoder_with(hf_target, CausalLM(noisy_copy(hf_target, 0.02, 1)), lookup=False)
+    dec.apply(CHAIN)
+    corrections = Corrections()
+    ctl = RequestController(CHAIN, dec, cost, len(PROMPT), settings, corrections)
+    result = dec.generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW), before_round=ctl.before_round)
+    assert ctl.current.speculates and result.stats.drafted > 0
+
+    def measured_tokens() -> float:
+        return sum(ev.tokens for ev in corrections.evidence.values())
+
+    before = measured_tokens()
+    ctl.finish(PROMPT + result.tokens, result.stats)
+    assert measured_tokens() > before
+    after = measured_tokens()
+    ctl.finish(PROMPT + result.tokens, result.stats)  # nothing new decoded: nothing counted twice
+    assert measured_tokens() == after

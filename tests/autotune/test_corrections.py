@@ -69,3 +69,27 @@ def test_a_memory_must_hold_a_token():
     with pytest.raises(ValueError, match="memory_tokens"):
         Corrections(memory_tokens=0)
     assert math.isclose(Corrections().factor(TREE), 1.0)
+
+
+def test_a_kind_of_traffic_prices_with_its_own_evidence_before_the_servers():
+    """Lookup measured well on code and at a loss on chat: the chat route's next request prices
+    lookup at chat's factor, a kind with no evidence of its own at the server's (both kinds' evidence
+    pooled), and what a kind measures teaches the server too. Power check: the one shared factor
+    alone prices chat's lookup near par, where a window predicting 1.5x plain would switch to it."""
+    from autotune.tuning.corrections import KindCorrections
+
+    shared = Corrections()
+    code, chat, new = (KindCorrections(shared) for _ in range(3))
+    code.observe(LOOKUP, 20.0, tokens=400, seconds=10.0)  # 40 tok/s measured, 20 predicted: 2.0
+    chat.observe(LOOKUP, 30.0, tokens=30, seconds=3.0)  # 10 tok/s measured, 30 predicted: 1/3
+    assert code.factor(LOOKUP) == pytest.approx(2.0) and chat.factor(LOOKUP) == pytest.approx(1 / 3)
+    assert new.factor(LOOKUP) == pytest.approx(shared.factor(LOOKUP))
+    assert shared.evidence[LOOKUP].tokens == 430  # both kinds taught the server
+    shorter = Strategy(drafter="prompt-lookup", draft_length=4)
+    assert chat.factor(shorter) == pytest.approx(1 / 3)  # its own drafter kind before the server's
+    assert chat.factor(CHAIN4) == shared.factor(CHAIN4) == 1.0 and chat.factor(PLAIN) == 1.0
+    predicted, plain_tps = 15.0, 10.0  # one window's lookup prediction on chat, and plain's speed
+    assert predicted * chat.factor(LOOKUP) < plain_tps  # chat's own evidence: stays plain
+    assert predicted * shared.factor(LOOKUP) > plain_tps * 1.05  # the pooled factor: would switch and lose
+    chat.model_s = 0.5
+    assert shared.model_s == 0.5 and code.model_s == 0.5  # what scoring a model costs is the server's

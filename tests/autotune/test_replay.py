@@ -14,8 +14,8 @@ import pytest
 import autotune.cli.main
 import autotune.cli.replay
 from autotune.errors import MethodError, SettingError
-from autotune.measure.replay import ReplayClient, ReplayRecord, ReplaySettings, base_url, forced_mode, parse_modes, \
-    replay
+from autotune.measure.replay import CHOSEN, ReplayClient, ReplayRecord, ReplaySettings, base_url, forced_mode, \
+    parse_modes, replay, send_order
 from autotune.reports.replay_report import aggregate, bands, category_bands, clustering, forced, format_table, identical, \
     replay_plot, row, switches
 from studies import Prompt, StreamRequest, write_stream
@@ -162,7 +162,7 @@ def test_a_negative_loadtest_warmup_is_a_one_line_error(capsys: pytest.CaptureFi
 
 
 def test_load_rounds_rotate_the_modes_so_none_always_runs_first() -> None:
-    from autotune.measure.loadtest import rotated
+    from autotune.measure.replay import rotated
 
     modes = ("plain", "default", "auto")
     orders = [rotated(modes, r) for r in range(4)]
@@ -241,14 +241,16 @@ def test_replay_sends_each_requests_modes_in_a_row() -> None:
         return _record(request.index, request.category, mode)
 
     records = replay(requests, ("auto", "plain", "default"), send)
-    assert sent == [(i, m) for i in range(3) for m in ("auto", "plain", "default")]
+    orders = [["auto", "plain", "default"], ["plain", "default", "auto"], ["default", "auto", "plain"]]
+    assert sent == [(i, m) for i in range(3) for m in orders[i]]  # each mode goes first once
     assert [(r.index, r.mode) for r in records] == sent
     sent.clear()
     concurrent = replay(requests, ("auto", "plain"), send, concurrency=3)
-    assert [(r.index, r.mode) for r in concurrent] == [(i, m) for i in range(3) for m in ("auto", "plain")]
+    assert [(r.index, r.mode) for r in concurrent] == [(i, m) for i in range(3)
+                                                       for m in (("auto", "plain"), ("plain", "auto"))[i % 2]]
     for i in range(3):  # a request's modes one after another, whatever runs beside them
         mine = [m for j, m in sent if j == i]
-        assert mine == ["auto", "plain"]
+        assert mine == [["auto", "plain"], ["plain", "auto"]][i % 2]
     sent.clear()  # a conversation's second turn goes after its first, from the same sender
     talk = _turns("x", "a", 0) + [_request(2, "b")] + _turns("y", "c", 3)
     threads: dict[int, int] = {}
@@ -289,9 +291,11 @@ def test_chosen_forces_what_auto_started_on() -> None:
                        control_start=start if mode == "auto" else None, control_prior="draft-model-10")
 
     records = replay([_request(i, "a") for i in range(2)], parse_modes("auto,chosen,plain"), send)
-    assert sent == [(0, "auto"), (0, "default"), (0, "plain"), (1, "auto"), (1, "plain"), (1, "plain")]
-    assert [(r.index, r.mode) for r in records] == [(0, "auto"), (0, "chosen"), (0, "plain"), (1, "auto"),
-                                                    (1, "chosen"), (1, "plain")]
+    # request 1 sends plain first (the order rotates); chosen stays right after auto
+    assert sent == [(0, "auto"), (0, "default"), (0, "plain"), (1, "plain"), (1, "auto"), (1, "plain")]
+    assert [(r.index, r.mode) for r in records] == [(0, "auto"), (0, "chosen"), (0, "plain"), (1, "plain"),
+                                                    (1, "auto"), (1, "chosen")]
+    assert send_order(("plain", "auto", CHOSEN, "default"), 2) == ["default", "plain", "auto", CHOSEN]
     with pytest.raises(MethodError, match="list auto before it"):
         parse_modes("chosen,auto")
 
@@ -355,6 +359,8 @@ def test_aggregate_math() -> None:
     everything = row(report, "all", "auto")
     assert everything["tokens_per_s"] == pytest.approx(60 / 2.0) and everything["switches"] == 1
     assert row(report, "all", "plain")["tokens_per_s"] == pytest.approx(10.0)
+    # after the first token: (20 - 1 + 10 - 1) tokens over 2 x (1.0 - 0.05) s, the prefill left out
+    assert code["after_first_tokens_per_s"] == pytest.approx(28 / 1.9)
     assert report["identical"] == {"requests": 3, "modes": ["auto", "plain"], "differ": 0, "differing": []}
     assert report["route_retunes"] == {"code": 1, "chat": 0}
     table = format_table(report)
