@@ -10,8 +10,9 @@ scores a few candidates on the request's latest window, priced by the measured c
   the chain instead of a tree, ``candidates``);
 - the strategy decoding now is judged by what its rounds since the last decision *measured*
   where it decoded alone; every prediction is multiplied by its correction (measured / predicted
-  tokens/s, ``autotune.tuning.corrections``: the tuner's scheme, shared by the requests of a
-  server, so a strategy priced too high on this machine is priced right for the next request);
+  tokens/s, ``autotune.tuning.corrections``: the tuner's scheme, learnt by the requests of a
+  server per kind of traffic and pooled, ``KindCorrections``, so a strategy priced too high on
+  this machine or this kind of text is priced right for the next such request);
 - a drafting model is scored (one forward over the window) only while scoring stays within
   ``max_share`` of the request's decode time (``autotune.tuning.budget``; its latest prediction
   stands in between); plain decoding and prompt lookup cost no forward and are scored every

@@ -91,8 +91,11 @@ class KindCorrections:
     Prompt lookup predicted from a window of code repeats what the code repeats; on chat or maths
     text one window's repeats promise more than the next windows hold, so one factor per strategy
     for every kind of text prices lookup for chat with code's evidence. ``factor`` is this kind's
-    own factor for the strategy, else its own drafter kind's mean, else the server's factor;
-    ``observe`` adds to both. What scoring a drafting model cost (``model_s``) is the server's."""
+    own factor for the strategy, else its own drafter kind's mean, else the server's factor capped
+    at 1: a kind with no evidence of its own takes what other kinds measured below their predictions
+    (the machine's costs), never what they measured above them (their text's long repeats), so its
+    first switch is priced by its own window alone. ``observe`` adds to both. What scoring a
+    drafting model cost (``model_s``) is the server's."""
 
     def __init__(self, shared: Corrections, own: Corrections | None = None) -> None:
         self.shared = shared
@@ -115,4 +118,4 @@ class KindCorrections:
             return 1.0
         if any(s.drafter == strategy.drafter and ev.ratio is not None for s, ev in self.own.evidence.items()):
             return self.own.factor(strategy)
-        return self.shared.factor(strategy)
+        return min(self.shared.factor(strategy), 1.0)

@@ -74,7 +74,7 @@ def test_a_memory_must_hold_a_token():
 def test_a_kind_of_traffic_prices_with_its_own_evidence_before_the_servers():
     """Lookup measured well on code and at a loss on chat: the chat route's next request prices
     lookup at chat's factor, a kind with no evidence of its own at the server's (both kinds' evidence
-    pooled), and what a kind measures teaches the server too. Power check: the one shared factor
+    pooled) capped at 1, and what a kind measures teaches the server too. Power check: the one shared factor
     alone prices chat's lookup near par, where a window predicting 1.5x plain would switch to it."""
     from autotune.tuning.corrections import KindCorrections
 
@@ -83,11 +83,13 @@ def test_a_kind_of_traffic_prices_with_its_own_evidence_before_the_servers():
     code.observe(LOOKUP, 20.0, tokens=400, seconds=10.0)  # 40 tok/s measured, 20 predicted: 2.0
     chat.observe(LOOKUP, 30.0, tokens=30, seconds=3.0)  # 10 tok/s measured, 30 predicted: 1/3
     assert code.factor(LOOKUP) == pytest.approx(2.0) and chat.factor(LOOKUP) == pytest.approx(1 / 3)
-    assert new.factor(LOOKUP) == pytest.approx(shared.factor(LOOKUP))
+    assert shared.factor(LOOKUP) > 1.0 and new.factor(LOOKUP) == 1.0  # not code's long repeats
     assert shared.evidence[LOOKUP].tokens == 430  # both kinds taught the server
     shorter = Strategy(drafter="prompt-lookup", draft_length=4)
     assert chat.factor(shorter) == pytest.approx(1 / 3)  # its own drafter kind before the server's
     assert chat.factor(CHAIN4) == shared.factor(CHAIN4) == 1.0 and chat.factor(PLAIN) == 1.0
+    code.observe(CHAIN4, 20.0, tokens=100, seconds=10.0)  # the draft chain measured at half its price
+    assert new.factor(CHAIN4) == pytest.approx(0.5)  # the server's costs below prediction do carry over
     predicted, plain_tps = 15.0, 10.0  # one window's lookup prediction on chat, and plain's speed
     assert predicted * chat.factor(LOOKUP) < plain_tps  # chat's own evidence: stays plain
     assert predicted * shared.factor(LOOKUP) > plain_tps * 1.05  # the pooled factor: would switch and lose
