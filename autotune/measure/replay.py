@@ -3,8 +3,9 @@
 Every request of the stream is sent once per mode (``auto``, ``plain``, ``default`` or a stored
 strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
 (request 0 in every mode, one after another, then request 1, ...; the order rotates from one request
-to the next, ``send_order``) so the modes see the same server state, greedily (temperature 0) with the completion's token ids returned. The mode ``chosen`` sends
-the request again right after its ``auto`` one, forcing the strategy ``auto`` started it on
+to the next, ``send_order``) so the modes see the same server state, greedily (temperature 0) with
+the completion's token ids returned. The mode ``chosen`` sends the request again right after its
+``auto`` one, forcing the strategy ``auto`` started it on
 (``forced_mode``): what ``auto``'s routing, clustering and control cost beside the same strategy.
 Requests go with ``"cache_prompt": false`` unless ``cache_prompt``: a mode sent after another would
 otherwise find the first one's prompt in the server's prefix cache and look faster. :mod:`autotune.reports.replay_report` turns the

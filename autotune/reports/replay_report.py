@@ -5,8 +5,8 @@ Everything here is a pure function of replay records
 (:class:`autotune.measure.replay.ReplayRecord`; no server). Tok/s is total completion
 tokens / total decode time (each request's tokens over its tok/s, its prefill included); "after
 1st" is the tokens after each request's first over the time after it (its prefill left out);
-acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no drafts), switches count
-changes of the strategy label between consecutive requests of a category, and tuning counts
+acceptance is accepted / drafted, M is (accepted + draft rounds) / draft rounds (1 with no
+drafts), switches count changes of the strategy label between consecutive requests of a category, and tuning counts
 requests answered while their route re-tuned. For requests a controller drove (``auto`` on a
 server with request control): the share of them whose controller switched strategy, their final
 strategies, and the controller's cost (its scoring time over their decode time). Where the
@@ -218,8 +218,8 @@ def format_table(report: Mapping[str, Any]) -> str:
     cfg = report.get("config") or {}
     title = "replay" + (f" {cfg['stream']} on {cfg['url']}" if cfg else "")
     table = Table(title=title, caption=_caption(report))
-    for col in ("category", "mode", "requests", "tok/s", "after 1st", "acceptance", "M", "route", "switches", "tuning",
-                "switched in request", "control cost", "differ"):
+    for col in ("category", "mode", "requests", "tok/s", "after 1st", "acceptance", "M", "route", "switches",
+                "tuning", "switched in request", "control cost", "differ"):
         table.add_column(col, justify="left" if col in ("category", "mode", "route") else "right")
     for r in report["rows"]:
         switched, cost = r.get("controller_switched"), r.get("controller_share")

@@ -152,7 +152,10 @@ class Control:
         if r.control is None:
             return
         seq = r.member.seq
-        r.control.finish(seq.prompt + seq.out, seq.stats)  # its last stretch teaches the corrections too
+        try:  # its last stretch teaches the corrections too; a failure here must not fail the answer
+            r.control.finish(seq.prompt + seq.out, seq.stats)
+        except Exception:
+            log.exception("a request's controller failed to account its last rounds; its answer goes out")
         r.job.control = r.control.summary(decode_s=decode_s)
         # a request too short to decide says nothing about its route, and ``unknown`` is every
         # unseen kind at once: what one kind ended on is no prior for the next
