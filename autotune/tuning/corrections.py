@@ -74,14 +74,18 @@ class Corrections:
 
     def factor(self, strategy: Strategy) -> float:
         """Measured / predicted tokens/s for ``strategy``: its own, else its kind's geometric mean, else 1."""
-        if not strategy.speculates:
-            return 1.0
+        measured = self.measured(strategy) if strategy.speculates else None
+        return 1.0 if measured is None else measured
+
+    def measured(self, strategy: Strategy) -> float | None:
+        """``factor`` where evidence backs it (``strategy``'s own, else its drafter kind's geometric
+        mean); None where nothing of its drafter kind was measured."""
         own = self.evidence.get(strategy)
         if own is not None and own.ratio is not None:
             return _clamped(own.ratio)
         same = [_clamped(r) for s, ev in self.evidence.items() if s.drafter == strategy.drafter
                 and (r := ev.ratio) is not None]
-        return math.exp(sum(math.log(c) for c in same) / len(same)) if same else 1.0
+        return math.exp(sum(math.log(c) for c in same) / len(same)) if same else None
 
 
 class KindCorrections:
@@ -116,6 +120,5 @@ class KindCorrections:
     def factor(self, strategy: Strategy) -> float:
         if not strategy.speculates:
             return 1.0
-        if any(s.drafter == strategy.drafter and ev.ratio is not None for s, ev in self.own.evidence.items()):
-            return self.own.factor(strategy)
-        return min(self.shared.factor(strategy), 1.0)
+        own = self.own.measured(strategy)
+        return own if own is not None else min(self.shared.factor(strategy), 1.0)
