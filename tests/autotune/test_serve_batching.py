@@ -169,7 +169,7 @@ def test_the_draft_models_depth_forward_is_priced_once_for_the_sequences_draftin
     assert key is not None and key == draft_key(worker.decoders.decoder(tree))  # one int8 copy of the draft drafts both
     cost = worker.figures.draft_costs[key]
     assert cost.known and [m for _, m, _ in cost.profile] == [1, 2, 4, 8]
-    assert 0 < cost.forward_s(1) <= cost.forward_s(8) < 8 * cost.forward_s(1)
+    assert 0 < cost.forward_s(1) <= cost.forward_s(8) <= 8 * cost.forward_s(1)  # a fit of timings: no strict margin
     seen = list(cost.steps)
     _together(fixed, list(zip(routing_texts("humaneval", 2, 20), [ids["chain"]] * 2)))
     new = list(cost.steps)[len(seen):] if len(seen) < cost.steps.maxlen else list(cost.steps)

@@ -138,7 +138,8 @@ def test_measured_cost_model_times_real_forwards(target, draft):
     full, skipping = cost.draft_forward_s(None), cost.draft_forward_s(uniform_skip_plan(N_LAYERS, 0.5))
     assert full > 0 and 0 < skipping <= full
     assert cost.verify_s() > 0 and cost.plain_step_s() > 0 and cost.calibration_s > 0
-    assert cost.catch_up_s(5) >= cost.catch_up_s(1) == pytest.approx(full)
+    # one row of catch-up: the cheaper of the one-row and the wide timing (noise can put the wide one below)
+    assert cost.catch_up_s(5) >= cost.catch_up_s(1) and 0 < cost.catch_up_s(1) <= full
     before = cost.draft_forward_s(None)
     cost.observe_draft(predicted_s=before, measured_s=2 * before)
     assert cost.draft_forward_s(None) > before  # refreshed from a slower measured round
