@@ -298,7 +298,8 @@ class MeasuredCostModel:
         is timed the first time it is priced, inside a request: on the 1.5B at int4 that made
         request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget.
         Each row count is timed twice, in two passes over them all, and the faster kept: a burst of
-        load on the machine seldom spans both."""
+        load on the machine seldom spans both. The plain step, timed first (the first forwards after
+        a load run slow: 105 against 81 ms on a gguf 1.5B, AVX2 EPYC), is timed again last."""
         self.plain_step_s(), self.verify_s(), self.draft_forward_s(None), self.catch_up_s(2.0)
         if fit_skips:  # plans that skip sub-layers are priced from the fit
             self._fit()
@@ -309,6 +310,8 @@ class MeasuredCostModel:
                 again = self._forward_s(self.target, rows, None, every_logit=True)
                 self._width[rows] = min(self._width[rows], again)
             self._table = None
+        if not self._plain_seen:  # no decoded plain round has priced it yet
+            self._plain = min(self._plain_price(), self._forward_s(self.target, 1, None, best_of=VERIFY_TIMINGS))
 
     def plain_step_s(self) -> float:
         """One single-token target forward: a round of plain decoding (the bar every strategy must
