@@ -298,8 +298,8 @@ class MeasuredCostModel:
         is timed the first time it is priced, inside a request: on the 1.5B at int4 that made
         request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget.
         Each row count is timed twice, in two passes over them all, and the faster kept: a burst of
-        load on the machine seldom spans both. The plain step, timed first (the first forwards after
-        a load run slow: 105 against 81 ms on a gguf 1.5B, AVX2 EPYC), is timed again last."""
+        load on the machine seldom spans both. The plain step, timed first, is timed again last and the
+        faster kept (the first forwards after a load run slow), unless decoded plain rounds price it."""
         self.plain_step_s(), self.verify_s(), self.draft_forward_s(None), self.catch_up_s(2.0)
         if fit_skips:  # plans that skip sub-layers are priced from the fit
             self._fit()
