@@ -22,7 +22,7 @@ def main() -> None:
     from autotune.serving.server import ServeConfig, build_server
     from autotune.store.storage import open_storage
     from autotune.tuning.controller import controller_cost
-    from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate
+    from autotune.tuning.load import DEFAULT_ACCEPTANCE, Candidate, alone_speed_ups
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--storage", required=True)
@@ -40,10 +40,9 @@ def main() -> None:
                 plain, token = cost.plain_step_s(), cost.draft_forward_s(default.layer_plan)
                 print(f"{label}: plain step {plain * 1e3:.1f} ms, draft token {token * 1e3:.1f} ms, verify rows "
                       + ", ".join(f"{r}: {cost.verify_s(r) / plain:.2f}x" for r in range(2, dec.verify_width + 1)))
-                chain = Candidate.of(default, DEFAULT_ACCEPTANCE, token)
-                print("  at acceptance", DEFAULT_ACCEPTANCE, "against plain steps, by draft length: " + ", ".join(
-                    f"{s.length}: {s.tokens * plain / (token * s.length + cost.verify_s(s.rows)):.3f}x"
-                    for s in chain.shapes() if s.length))
+                ups = alone_speed_ups(Candidate.of(default, DEFAULT_ACCEPTANCE, token), cost.verify_s, plain)
+                print("  at acceptance", DEFAULT_ACCEPTANCE, "against plain steps, by draft length: "
+                      + ", ".join(f"{length}: {up:.3f}x" for length, up in ups))
         print("unknown ->", "default" if server.worker.control.unknown_start(default).speculates else "plain")
 
 

@@ -376,7 +376,20 @@ def pays_alone(candidate: Candidate, verify_s: Callable[[int], float], plain_s: 
     if candidate.max_length < 1:
         return False
     shapes = candidate.shapes() if stops_early else candidate.shapes()[-1:]
-    return any(s.tokens * plain_s > candidate.draft_token_s * s.length + verify_s(s.rows) for s in shapes if s.length)
+    return any(speed_up > 1.0 for _, speed_up in alone_speed_ups(candidate, verify_s, plain_s, shapes))
+
+
+def alone_speed_ups(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float,
+                    shapes: Sequence[Shape] | None = None) -> list[tuple[int, float]]:
+    """(draft length, expected speed against plain steps) of each of ``shapes`` (default: every
+    one the candidate may run) decoding alone: a round's expected tokens in plain steps over its
+    drafting and its verify of the draft's rows (``pays_alone``'s price; inf where a round is free)."""
+    out = []
+    for s in candidate.shapes() if shapes is None else shapes:
+        if s.length:
+            round_s = candidate.draft_token_s * s.length + verify_s(s.rows)
+            out.append((s.length, s.tokens * plain_s / round_s if round_s > 0 else float("inf")))
+    return out
 
 
 def choose_lengths(candidates: Sequence[Candidate], cost: StepCost, max_rows: int | None = None) -> list[int]:
