@@ -76,15 +76,19 @@ class Control:
 
     def prepare(self, strategies: list[Strategy]) -> None:
         """Build the decoders of ``strategies`` (plain decoding included) and time their
-        controllers' cost models now (while ``/health`` says loading), not in a request."""
+        controllers' cost models now (while ``/health`` says loading), not in a request. The
+        target is timed once: later cost models of the same target adopt its timings."""
         if self.settings is None:
             return
+        prepared: list[MeasuredCostModel] = []
         for strategy in dict.fromkeys([PLAIN, *strategies]):
             if self.decoders.servable(strategy) is not None:
                 continue
             cost = self.cost(self.decoders.decoder(strategy))
+            any(cost.adopt_target(other) for other in prepared)
             with torch.inference_mode():
                 cost.prepare()
+            prepared.append(cost)
 
     def unknown_start(self, default: Strategy) -> Strategy:
         """What a request far from every stored task starts on (with no general entry stored):

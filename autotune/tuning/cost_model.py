@@ -99,6 +99,7 @@ class MeasuredCostModel:
     _plain: float | None = None  # the timed or kept plain step, then the median of those seen (``observe_plain``)
     _plain_seen: deque = field(default_factory=lambda: deque(maxlen=PLAIN_OBSERVED))
     _full: float | None = None  # one exact single-row draft forward (``_full_s``)
+    _target_timed: bool = False  # ``prepare`` timed the target's row counts and plain step again (or adopted them)
     _calibrating: Stopwatch = field(default_factory=Stopwatch)
 
     @property
@@ -292,6 +293,25 @@ class MeasuredCostModel:
             return False
         return True
 
+    @property
+    def target_key(self) -> tuple:
+        """What the target's timings depend on besides the machine: its weights and how they run,
+        the verify width, padding and the context timed over (not the drafting model)."""
+        return (id(getattr(self.target, "hf_model", self.target)), self.target.backend, self.verify_width,
+                self.padded, self.context)
+
+    def adopt_target(self, other: MeasuredCostModel) -> bool:
+        """Take the target's timings ``other`` prepared (the plain step, the full verify, each
+        verify row count) where it times the same target the same way (``target_key``): a target
+        forward costs the same whichever model drafts, so a server with several drafting models
+        times its target once. The scales and what decoding refreshes stay this model's own.
+        -> whether taken (else ``prepare`` times them)."""
+        if other is self or not other._target_timed or other.target_key != self.target_key:
+            return False
+        self._plain, self._verify, self._width = other._plain, other._verify, dict(other._width)
+        self._table, self._target_timed = None, True
+        return True
+
     def prepare(self, fit_skips: bool = False) -> None:
         """Time now everything a controller's scoring may price: the plain step, the full verify,
         the draft step and its catch-up, and (unpadded) every verify row count. Otherwise a count
@@ -299,10 +319,15 @@ class MeasuredCostModel:
         request control cost 2.1% of decode time over a replay (3.8% on XSum), against a 2% budget.
         Each row count is timed twice, in two passes over them all, and the faster kept: a burst of
         load on the machine seldom spans both. The plain step, timed first, is timed again last and the
-        faster kept (the first forwards after a load run slow), unless decoded plain rounds price it."""
+        faster kept (the first forwards after a load run slow), unless decoded plain rounds price it.
+        The target's part is done once: a second call, or one after ``adopt_target``, times only
+        what is missing of the drafting model's."""
         self.plain_step_s(), self.verify_s(), self.draft_forward_s(None), self.catch_up_s(2.0)
         if fit_skips:  # plans that skip sub-layers are priced from the fit
             self._fit()
+        if self._target_timed:
+            return
+        self._target_timed = True
         if not self.padded:
             for rows in range(2, self.verify_width):
                 self._rows_s(rows)

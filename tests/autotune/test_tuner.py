@@ -143,6 +143,40 @@ def test_prepare_times_the_plain_step_again_last_and_keeps_the_faster(target, dr
     assert cost.plain_step_s() == seen
 
 
+def test_a_second_cost_model_of_the_same_target_adopts_its_timings(target, draft):
+    """A server times one cost model per drafting model; the target's forwards cost the same
+    whichever model drafts, so a second cost model of the same target (width, padding, context)
+    adopts the first one's target timings and times only its own draft. Another width times afresh."""
+    calls: list[tuple[str, int]] = []
+
+    def model(width=5):
+        cost = MeasuredCostModel(draft=draft, target=target, verify_width=width, context=32, repeats=1,
+                                 padded=False)
+
+        def timed(lm, rows, plan, best_of=1, every_logit=False):
+            calls.append(("target" if lm is target else "draft", rows))
+            return 1.0 + rows
+        cost._forward_s = timed
+        return cost
+
+    first = model()
+    first.prepare()
+    target_calls = [c for c in calls if c[0] == "target"]
+    assert {rows for _, rows in target_calls} == {1, 2, 3, 4, 5}  # the plain step and every verify row count
+    second, calls[:] = model(), []
+    assert second.adopt_target(first) and not first.adopt_target(first)
+    second.prepare()
+    assert calls and all(lm == "draft" for lm, _ in calls), calls  # its draft's forwards only
+    assert [second.verify_s(r) for r in (1, 2, 3, 5)] == [first.verify_s(r) for r in (1, 2, 3, 5)]
+    calls[:] = []
+    second.prepare()  # prepared: a second call times nothing
+    assert calls == []
+    wider = model(width=6)
+    assert not wider.adopt_target(first)  # another verify width: its own timings
+    wider.prepare()
+    assert {rows for lm, rows in calls if lm == "target"} >= {1, 2, 3, 4, 5, 6}
+
+
 def test_predict_is_theorem_3_8_shaped():
     cost = FixedCostModel(draft_full_s=1.0, verify_const_s=3.0)
     p = predict(Strategy(draft_length=4, confidence_threshold=0.0), synthetic([True] * 12, [1.0] * 12), cost)
