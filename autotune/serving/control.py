@@ -63,7 +63,8 @@ class Control:
 
     def cost(self, dec: Decoder) -> MeasuredCostModel:
         """The controllers' measured cost model for ``dec``'s drafting model (one per drafting
-        model, timed once - at start-up, ``prepare`` - then refreshed by every request)."""
+        model, timed once - at start-up, ``prepare`` - then refreshed by every request). A new one
+        adopts the target's timings from one already prepared (``adopt_target``): the target is timed once."""
         drafting = dec.drafter_of("draft-model") or dec.drafter_of("layer-skip")
         model = drafting.model if drafting is not None else dec.target
         # the wrapped weights and how they run (a float target gets a fresh wrapper per decoder)
@@ -71,24 +72,25 @@ class Control:
                dec.target.backend, dec.pads)
         cost = self._costs.get(key)
         if cost is None:
-            cost = self._costs[key] = controller_cost(dec)
+            cost = controller_cost(dec)
+            for other in self._costs.values():  # the target's timings, where one of them prepared it
+                if cost.adopt_target(other):
+                    break
+            self._costs[key] = cost
         return cost
 
     def prepare(self, strategies: list[Strategy]) -> None:
         """Build the decoders of ``strategies`` (plain decoding included) and time their
-        controllers' cost models now (while ``/health`` says loading), not in a request. The
-        target is timed once: later cost models of the same target adopt its timings."""
+        controllers' cost models now (while ``/health`` says loading), not in a request (the
+        target once: ``cost``)."""
         if self.settings is None:
             return
-        prepared: list[MeasuredCostModel] = []
         for strategy in dict.fromkeys([PLAIN, *strategies]):
             if self.decoders.servable(strategy) is not None:
                 continue
             cost = self.cost(self.decoders.decoder(strategy))
-            any(cost.adopt_target(other) for other in prepared)
             with torch.inference_mode():
                 cost.prepare()
-            prepared.append(cost)
 
     def unknown_start(self, default: Strategy) -> Strategy:
         """What a request far from every stored task starts on (with no general entry stored):
