@@ -40,6 +40,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cache-prompt", action="store_true",
                    help="let requests reuse the server's prefix cache (off: a mode sent after another would find "
                         "its prompt cached and look faster; on, to measure the cache, e.g. --stream multi-turn)")
+    p.add_argument("--repeat", type=int, default=field_default(ReplaySettings, "repeat"),
+                   help="rounds of each request's modes, the order reversed every second round; each mode counts at "
+                        "its median over them, and the report shows the spread between a mode's first two rounds "
+                        "(default %(default)s)")
     p.add_argument("--limit", type=int, help="send only the stream's first N requests")
     p.add_argument("--timeout", type=float, default=field_default(ReplaySettings, "timeout_s"),
                    help="seconds to wait for one response (default %(default)s)")
@@ -153,18 +157,19 @@ def run(args: argparse.Namespace) -> int:
 
     settings = ReplaySettings(url=args.url, model=args.model, modes=parse_modes(args.mode),
                               concurrency=args.concurrency, max_tokens=args.max_tokens, timeout_s=args.timeout,
-                              cache_prompt=args.cache_prompt)
+                              cache_prompt=args.cache_prompt, repeat=args.repeat)
     requests = stream_from_args(args)
     with ReplayClient(settings) as client:
         model = client.model_name()
-        progress = Progress(len(requests) * len(settings.modes))
+        progress = Progress(len(requests) * len(settings.modes) * settings.repeat)
         records = replay(requests, settings.modes, lambda r, m: client.chat(model, r, m), settings.concurrency,
-                         progress)
+                         progress, settings.repeat)
         retunes, tasks = client.route_retunes(), client.stored_tasks()
     report = aggregate(records, settings.modes, retunes, tasks)
     report["config"] = {"stream": args.stream, "url": settings.url, "model": model, "modes": list(settings.modes),
                         "requests": len(requests), "max_tokens": settings.max_tokens,
                         "concurrency": settings.concurrency, "cache_prompt": settings.cache_prompt,
+                        "repeat": settings.repeat,
                         **stream_config(args)}
     print(format_table(report))
     if args.json_out:

@@ -4,7 +4,9 @@ Every request of the stream is sent once per mode (``auto``, ``plain``, ``defaul
 strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), interleaved per request
 (request 0 in every mode, one after another, then request 1, ...; the order rotates from one request
 to the next, ``send_order``) so the modes see the same server state, greedily (temperature 0) with
-the completion's token ids returned. The mode ``chosen`` sends the request again right after its
+the completion's token ids returned. With ``repeat`` above 1 each request goes round its modes that
+many times, the order reversed on every second round, and the report takes each mode's median over
+its sends (:func:`autotune.reports.replay_report.combined`). The mode ``chosen`` sends the request again right after its
 ``auto`` one, forcing the strategy ``auto`` started it on
 (``forced_mode``): what ``auto``'s routing, clustering and control cost beside the same strategy.
 Requests go with ``"cache_prompt": false`` unless ``cache_prompt``: a mode sent after another would
@@ -72,11 +74,13 @@ class ReplaySettings:
     max_tokens: int = 96
     timeout_s: float = 600.0
     cache_prompt: bool = False  # let requests reuse the server's prefix cache (see the module's docstring)
+    repeat: int = 1  # rounds of a request's modes (``replay``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", base_url(self.url))
         object.__setattr__(self, "modes", parse_modes(",".join(self.modes)))
-        for name, value in (("concurrency", self.concurrency), ("max tokens", self.max_tokens)):
+        for name, value in (("concurrency", self.concurrency), ("max tokens", self.max_tokens),
+                            ("repeat", self.repeat)):
             if value < 1:
                 raise SettingError(f"{name} must be at least 1, got {value}")
         if self.timeout_s <= 0:
@@ -112,6 +116,7 @@ class ReplayRecord:
     cluster: int | None = None  # the pending cluster an ``unknown`` request joined (``serve --adaptive``)
     tuning_s: float | None = None  # a re-tune's request: the tuning time it carried (``serve --adaptive``)
     prefix_tokens: int = 0  # prompt tokens whose rows came from the server's prefix cache
+    send: int = 0  # the round of the request's modes this answer came from (``replay``'s repeat), 0 first
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -278,18 +283,21 @@ def forced_mode(auto: ReplayRecord) -> str | None:
     return auto.strategy if auto.strategy in ("plain", "default") or auto.strategy.isdigit() else None
 
 
-def send_order(modes: Sequence[str], index: int) -> list[str]:
+def send_order(modes: Sequence[str], index: int, round_: int = 0) -> list[str]:
     """The order request ``index``'s modes are sent in: ``modes`` rotated by ``index``, so each mode
     goes first as often as the others over a stream (whatever drifts during a request's sends - the
-    machine's clock, another tenant - falls on every mode alike); ``chosen`` stays right after
-    ``auto``, whose choice it forces."""
+    machine's clock, another tenant - falls on every mode alike); backwards in the request's odd
+    rounds (``replay``'s repeat), so over two rounds every mode's mean place is the same and a steady
+    drift falls on each mode's mean alike; ``chosen`` stays right after ``auto``, whose choice it
+    forces."""
     units: list[list[str]] = []
     for mode in modes:
         if mode == CHOSEN:  # parse_modes puts auto before it
             next(u for u in units if "auto" in u).append(mode)
         else:
             units.append([mode])
-    return [m for unit in rotated(units, index) for m in unit]
+    order = rotated(units, index)
+    return [m for unit in (order[::-1] if round_ % 2 else order) for m in unit]
 
 
 def rotated(items: Sequence[T], round_: int) -> list[T]:
@@ -300,24 +308,26 @@ def rotated(items: Sequence[T], round_: int) -> list[T]:
 
 
 def replay(requests: Sequence[StreamRequest], modes: Sequence[str], send: Send, concurrency: int = 1,
-           progress: Callable[[ReplayRecord], None] | None = None) -> list[ReplayRecord]:
-    """Send every request in every mode with ``send`` (a request's modes one after another, in
-    ``send_order``; ``concurrency`` requests at a time, a conversation's requests in order from one
-    sender) -> the records by request, each request's in the order sent (``chosen`` only where
-    ``forced_mode`` could force one)."""
+           progress: Callable[[ReplayRecord], None] | None = None, repeat: int = 1) -> list[ReplayRecord]:
+    """Send every request in every mode with ``send``, ``repeat`` rounds of its modes one after
+    another (each round in ``send_order``; its records' ``send`` is the round); ``concurrency``
+    requests at a time, a conversation's requests in order from one sender -> the records by
+    request, each request's in the order sent (``chosen`` only where ``forced_mode`` could force
+    the same round's ``auto``)."""
     def one(request: StreamRequest) -> list[ReplayRecord]:
         out: list[ReplayRecord] = []
-        auto = None
-        for mode in send_order(modes, request.index):
-            if mode == CHOSEN:
-                forced = forced_mode(auto) if auto is not None else None
-                if forced is None:
-                    continue
-                record = replace(send(request, forced), mode=CHOSEN)
-            else:
-                record = send(request, mode)
-            auto = record if mode == "auto" else auto
-            out.append(_noted(record, progress))
+        for round_ in range(repeat):
+            auto = None
+            for mode in send_order(modes, request.index, round_):
+                if mode == CHOSEN:
+                    forced = forced_mode(auto) if auto is not None else None
+                    if forced is None:
+                        continue
+                    record = replace(send(request, forced), mode=CHOSEN)
+                else:
+                    record = send(request, mode)
+                auto = record if mode == "auto" else auto
+                out.append(_noted(replace(record, send=round_), progress))
         return out
 
     if concurrency == 1:

@@ -11,13 +11,17 @@ requests answered while their route re-tuned. For requests a controller drove (`
 server with request control): the share of them whose controller switched strategy, their final
 strategies, and the controller's cost (its scoring time over their decode time). Where the
 server collected ``unknown`` requests into pending clusters (``serve --adaptive``), the adjusted
-Rand index of those clusters against the stream's categories.
+Rand index of those clusters against the stream's categories. A request sent in several rounds
+(``replay --repeat``) counts once per mode, at its median over the rounds (``combined``), and the
+report shows how far a mode's second round ran from its first (``repeat_spread``).
 """
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +83,54 @@ def group_stats(records: Sequence[ReplayRecord]) -> dict[str, Any]:
 
 
 def identical(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str, Any]:
-    """Per request: whether every mode returned the same token ids (requests some mode lacks count
-    as differing; ``chosen`` is sent only where it could be forced, and compared where it was)."""
-    outputs: dict[int, dict[str, tuple[int, ...]]] = defaultdict(dict)
+    """Per request: whether every mode, in every round, returned the same token ids (requests some
+    mode lacks count as differing; ``chosen`` is sent only where it could be forced, and compared
+    where it was)."""
+    outputs: dict[int, dict[str, set[tuple[int, ...]]]] = defaultdict(dict)
     for record in records:
-        outputs[record.index][record.mode] = record.token_ids
+        outputs[record.index].setdefault(record.mode, set()).add(record.token_ids)
     required = set(modes) - {CHOSEN}
     differing = sorted(i for i, by_mode in outputs.items()
-                       if not required <= set(by_mode) or len(set(by_mode.values())) > 1)
+                       if not required <= set(by_mode) or len(set().union(*by_mode.values())) > 1)
     return {"requests": len(outputs), "modes": list(modes), "differ": len(differing), "differing": differing}
+
+
+def combined(records: Sequence[ReplayRecord]) -> list[ReplayRecord]:
+    """One record per (request, mode), in the order first sent: a request sent in several rounds
+    has its latency, first-token time and decode time at the median over its rounds (two rounds:
+    their mean), the rest as its first round answered."""
+    rounds: dict[tuple[int, str], list[ReplayRecord]] = {}
+    for record in records:
+        rounds.setdefault((record.index, record.mode), []).append(record)
+    out = []
+    for sends in rounds.values():
+        first = min(sends, key=lambda r: r.send)
+        if len(sends) == 1:
+            out.append(first)
+            continue
+        decode_s = statistics.median(r.decode_s for r in sends)
+        out.append(replace(first, latency_s=statistics.median(r.latency_s for r in sends),
+                           ttft_s=statistics.median(r.ttft_s for r in sends),
+                           tokens_per_s=first.completion_tokens / decode_s if decode_s > 0 else 0.0))
+    return out
+
+
+def repeat_spread(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict[str, dict[str, float]] | None:
+    """Per mode, per category and over all (:data:`ALL`): the latency of the requests' second round
+    over their first, summed over the requests sent twice or more (1: both rounds ran alike). For
+    ``plain``, whose two rounds do the same work, it is the run's own spread between two sends: the
+    floor under any figure comparing two modes of one round. None when no request was sent twice."""
+    first = {(r.index, r.mode): r for r in records if r.send == 0}
+    pairs = [(first[(r.index, r.mode)], r) for r in records if r.send == 1 and (r.index, r.mode) in first]
+    if not pairs:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        mine = [(a, b) for a, b in pairs if a.mode == mode]
+        groups = {c: [(a, b) for a, b in mine if c in (ALL, a.category)] for c in [*categories([a for a, _ in mine]), ALL]}
+        out[mode] = {c: sum(b.latency_s for _, b in group) / first_s for c, group in groups.items()
+                     if (first_s := sum(a.latency_s for a, _ in group)) > 0}
+    return out
 
 
 def band_of(tokens: int) -> str:
@@ -170,7 +213,8 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
     """The report: one row per (category, mode) and per mode over the whole stream (category
     :data:`ALL`), the identical-output check, the server's re-tunes per route when it reported
     them, and the pending clusters against the categories (``stored_tasks``: see ``clustering``)."""
-    same = identical(records, modes)
+    same, spread = identical(records, modes), repeat_spread(records, modes)
+    records = combined(records)
     bad = set(same["differing"])
     rows = []
     for category in [*categories(records), ALL]:
@@ -180,7 +224,7 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
             stats = group_stats([r for r in of_category if r.mode == mode])
             rows.append({"category": category, "mode": mode, **stats, "differ": differ})
     return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
-            "bands": bands(records, modes), "forced": forced(records),
+            "bands": bands(records, modes), "forced": forced(records), "repeat_spread": spread,
             "route_retunes": dict(route_retunes) if route_retunes is not None else None,
             "stored_tasks": list(stored_tasks) if stored_tasks is not None else None,
             "clustering": clustering(records, stored_tasks)}
@@ -250,6 +294,11 @@ def _caption(report: Mapping[str, Any]) -> str:
         lines.append(f"auto beside its choice forced, {band} tokens: latency ratio {ratio:.3f} over {f['pairs']} "
                      f"requests ({f['same_drafting']} drafted identically)" if ratio is not None else
                      f"auto beside its choice forced, {band} tokens: no latency measured")
+    for mode, ratios in (report.get("repeat_spread") or {}).items():
+        per_category = [v for c, v in ratios.items() if c != ALL]
+        if per_category:
+            lines.append(f"{mode}, second round / first (latency): {min(per_category):.3f}-{max(per_category):.3f} "
+                         f"per category, {ratios[ALL]:.3f} over all")
     cl = report.get("clustering")
     if cl:
         lines.append(f"pending clusters of unknown requests: adjusted Rand index {cl['ari']:.3f} against the "
@@ -289,11 +338,13 @@ def category_bands(records: Sequence[ReplayRecord]) -> list[tuple[str, int, int]
 
 def replay_plot(records: Sequence[ReplayRecord], modes: Sequence[str], path: Path | str) -> Path:
     """Tok/s of each request over the stream, one line per mode, on shaded bands labelled by
-    category (as SWIFT's figure 7 shows speed over a stream of changing tasks)."""
+    category (as SWIFT's figure 7 shows speed over a stream of changing tasks); a request sent in
+    several rounds at its median (``combined``)."""
     from matplotlib import colormaps
 
     from autotune.reports.figure import new_figure, note, save_figure
 
+    records = combined(records)
     fig, ax = new_figure(PLOT_SIZE)
     palette = colormaps["Pastel1"]
     shade = {c: palette(i % palette.N) for i, c in enumerate(categories(records))}

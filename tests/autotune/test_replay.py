@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ import autotune.cli.replay
 from autotune.errors import MethodError, SettingError
 from autotune.measure.replay import CHOSEN, ReplayClient, ReplayRecord, ReplaySettings, base_url, forced_mode, \
     parse_modes, replay, send_order
-from autotune.reports.replay_report import aggregate, bands, category_bands, clustering, forced, format_table, identical, \
-    replay_plot, row, switches
+from autotune.reports.replay_report import aggregate, bands, category_bands, clustering, combined, forced, format_table, \
+    identical, repeat_spread, replay_plot, row, switches
 from studies import Prompt, StreamRequest, write_stream
 from tests.helpers import LiveServer, assert_one_line_error, run
 
@@ -300,6 +301,42 @@ def test_chosen_forces_what_auto_started_on() -> None:
         parse_modes("chosen,auto")
 
 
+def test_repeated_rounds_run_backwards_every_second_time_and_count_at_their_median() -> None:
+    """``repeat``: a request goes round its modes again, in reverse, so each mode's mean place over
+    two rounds is the same; the report takes each mode's median over its rounds, catches a round
+    whose tokens differ, and shows a mode's second round against its first."""
+    sent: list[tuple[int, str]] = []
+    latency = {(0, "plain", 0): 1.0, (0, "plain", 1): 1.4, (1, "plain", 0): 2.0, (1, "plain", 1): 2.0}
+
+    def send(request: StreamRequest, mode: str) -> ReplayRecord:
+        round_ = sum(1 for i, m in sent if (i, m) == (request.index, mode))
+        sent.append((request.index, mode))
+        return _record(request.index, "a" if request.index == 0 else "b", mode, completion_tokens=10,
+                       latency_s=latency.get((request.index, mode, round_), 1.0), ttft_s=0.1 * (round_ + 1),
+                       tokens_per_s=10.0 / latency.get((request.index, mode, round_), 1.0))
+
+    records = replay([_request(i, "a") for i in range(2)], ("auto", "plain", "default"), send, repeat=2)
+    assert sent == [(0, "auto"), (0, "plain"), (0, "default"), (0, "default"), (0, "plain"), (0, "auto"),
+                    (1, "plain"), (1, "default"), (1, "auto"), (1, "auto"), (1, "default"), (1, "plain")]
+    assert [r.send for r in records] == [0, 0, 0, 1, 1, 1] * 2
+    assert send_order(parse_modes("auto,chosen,plain"), 0, 1) == ["plain", "auto", CHOSEN]  # chosen stays after auto
+    one = {(r.index, r.mode): r for r in combined(records)}
+    assert len(one) == 6 and one[(0, "plain")].latency_s == pytest.approx(1.2)  # median of two: their mean
+    assert one[(0, "plain")].tokens_per_s == pytest.approx(10 / 1.2) and one[(0, "plain")].ttft_s == pytest.approx(0.15)
+    assert one[(0, "auto")].latency_s == pytest.approx(1.0) and one[(0, "auto")].send == 0
+    spread = repeat_spread(records, ("auto", "plain", "default"))
+    assert spread["plain"] == {"a": pytest.approx(1.4), "b": pytest.approx(1.0), "all": pytest.approx(3.4 / 3.0)}
+    assert spread["auto"]["all"] == pytest.approx(1.0)
+    assert repeat_spread([r for r in records if r.send == 0], ("plain",)) is None
+    report = aggregate(records, ("auto", "plain", "default"))
+    assert row(report, "a", "plain")["requests"] == 1 and row(report, "all", "plain")["decode_s"] == pytest.approx(3.2)
+    assert report["identical"]["differ"] == 0
+    assert "plain, second round / first (latency): 1.000-1.400 per category, 1.133 over all" in format_table(report)
+    # a second round that answered other tokens is a differing request, though its first round agreed
+    changed = [replace(r, token_ids=(9,)) if (r.index, r.mode, r.send) == (1, "auto", 1) else r for r in records]
+    assert identical(changed, ("auto", "plain", "default"))["differing"] == [1]
+
+
 def test_length_bands_and_auto_beside_its_choice() -> None:
     records = [
         _record(0, "qa", "auto", completion_tokens=12, tokens_per_s=10.0, latency_s=1.00, ttft_s=0.2),
@@ -516,6 +553,18 @@ def test_command_on_fake_server(tmp_path: Path, stream_file: Path, monkeypatch: 
     assert row(report, "chat", "plain")["route"] == "chat" and png.stat().st_size > 10_000
 
 
+def test_command_repeats_each_requests_modes(stream_file: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
+    _use_fake(monkeypatch, fake_server())
+    out = tmp_path / "r.json"
+    code = autotune.cli.main.main(["replay", "--stream", str(stream_file), "--url", "http://fake:1", "--repeat", "2",
+                                   "--mode", "auto,plain", "--json", str(out)])
+    assert code == 0 and "plain, second round / first (latency): 1.000-1.000 per category" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["config"]["repeat"] == 2 and len(report["records"]) == 16
+    assert sorted(r["send"] for r in report["records"]) == [0] * 8 + [1] * 8 and row(report, "all", "auto")["requests"] == 4
+
+
 def test_command_exit_1_when_outputs_differ(stream_file: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str], quiet_cli: None) -> None:
     _use_fake(monkeypatch, fake_server(differ_mode="plain"))
@@ -537,6 +586,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needle
         (["--stream", "mixed", "--tasks", "humaneval,gsm9k"], ["unknown task 'gsm9k'"]),
         (["--stream", "STREAM", "--mode", "auto,turbo"], ["unknown mode 'turbo'"]),
         (["--stream", "STREAM", "--limit", "0"], ["--limit must be at least 1"]),
+        (["--stream", "STREAM", "--repeat", "0"], ["repeat must be at least 1, got 0"]),
         (["--stream", "STREAM", "--block", "2"], ["only apply to a named stream"]),
         (["--stream", "STREAM", "--url", "ftp://x"], ["--url must be an http(s) URL"]),
         (["--stream", "STREAM", "--url", "http://127.0.0.1:9"], ["cannot reach autotune serve at http://127.0.0.1:9"]),
