@@ -6,7 +6,10 @@ An ``unknown`` request (far from every stored task) starts from what similar req
 from an assumed figure (``live_start``): the live acceptance of its pending cluster's requests
 (``serve --adaptive``), else of all ``unknown`` requests, priced by the controllers' cost model; where
 its strategy would draft at a loss at that acceptance, it starts plainly (its controller may still
-switch). With no live figure yet, the start-up judgement stands (``unknown_start``)."""
+switch). With no live figure yet, the start-up judgement stands (``unknown_start``). Either
+judgement starts a request drafting only where its strategy is priced the controllers' switch
+margin (``ControlSettings.margin``) above plain decoding, as a controller needs to leave plain: two
+timings of one verify differ by more than a price within that margin does."""
 from __future__ import annotations
 
 import logging
@@ -116,13 +119,14 @@ class Control:
             return None
         return strategy if self._pays(self.cost(dec), strategy, live) else PLAIN
 
-    @staticmethod
-    def _pays(cost: MeasuredCostModel, strategy: Strategy, acceptance: float) -> bool:
-        """Whether ``strategy`` decoding alone beats plain decoding at ``acceptance``, priced by ``cost``."""
+    def _pays(self, cost: MeasuredCostModel, strategy: Strategy, acceptance: float) -> bool:
+        """Whether ``strategy`` decoding alone beats plain decoding at ``acceptance`` by the switch
+        margin, priced by ``cost``."""
+        margin = (self.settings or ControlSettings()).margin
         with torch.inference_mode():
             per_token = cost.draft_forward_s(strategy.layer_plan) if strategy.drafter != "prompt-lookup" else 0.0
             return pays_alone(Candidate.of(strategy, acceptance, per_token), cost.verify_s, cost.plain_step_s(),
-                              stops_early=strategy.confidence_threshold > 0 and not strategy.tree_widths)
+                              stops_early=strategy.confidence_threshold > 0 and not strategy.tree_widths, margin=margin)
 
     def controller(self, job: Job, strategy: Strategy, dec: Decoder) -> RequestController | None:
         """``job``'s controller, starting where its route's latest requests mostly ended; None for

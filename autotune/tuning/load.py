@@ -367,16 +367,17 @@ def starts_alone(candidate: Candidate, cost: StepCost) -> bool:
 
 
 def pays_alone(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float,
-               stops_early: bool = False) -> bool:
+               stops_early: bool = False, margin: float = 0.0) -> bool:
     """Whether a sequence decoding alone with the candidate's draft is expected to beat plain
-    decoding: a round's expected tokens over its drafting and its verify of the draft's rows,
-    against one token per ``plain_s``. The whole draft is judged, or, for a chain that stops at its
-    first unsure token (``stops_early``: SWIFT's confidence-aware drafting), the length up to its
-    cap that pays best: such a chain does not run its cap where its drafts stop being accepted."""
+    decoding by more than ``margin`` (a share): a round's expected tokens over its drafting and its
+    verify of the draft's rows, against one token per ``plain_s``. The whole draft is judged, or,
+    for a chain that stops at its first unsure token (``stops_early``: SWIFT's confidence-aware
+    drafting), the length up to its cap that pays best: such a chain does not run its cap where its
+    drafts stop being accepted."""
     if candidate.max_length < 1:
         return False
     shapes = candidate.shapes() if stops_early else candidate.shapes()[-1:]
-    return any(speed_up > 1.0 for _, speed_up in alone_speed_ups(candidate, verify_s, plain_s, shapes))
+    return any(speed_up > 1.0 + margin for _, speed_up in alone_speed_ups(candidate, verify_s, plain_s, shapes))
 
 
 def alone_speed_ups(candidate: Candidate, verify_s: Callable[[int], float], plain_s: float,

@@ -122,6 +122,24 @@ def test_unknown_requests_start_on_a_draft_only_where_this_server_measured_it_pa
     assert control.unknown_start(PLAIN) == PLAIN
 
 
+def test_a_start_drafts_only_where_priced_the_switch_margin_above_plain():
+    """The start-up and live judgements of ``unknown`` traffic start a draft only where it is
+    priced ``ControlSettings.margin`` above plain decoding, as a controller needs to leave plain:
+    the default chain (k=10, threshold 0.6) at acceptance 0.6, a draft token 0.45 plain steps and
+    a 2-row verify 1.1, is priced 1.032x plain at its best length (one draft) - within two timings'
+    spread of one verify (1.11x and 1.28x plain on the Qwen pair at gguf) - and starts plainly.
+    Power check: with no margin the same prices start it drafting."""
+    from autotune.serving.control import Control
+    from autotune.tuning.controller import ControlSettings
+    from autotune.tuning.cost_model import FixedCostModel
+    from autotune.tuning.load import RouteAcceptance
+
+    cost = FixedCostModel(draft_full_s=0.45, verify_const_s=1.0, verify_row_s=0.1)
+    for settings, pays in ((ControlSettings(), False), (None, False), (ControlSettings(margin=0.0), True),
+                           (ControlSettings(margin=0.03), True)):
+        assert Control(settings, None, RouteAcceptance())._pays(cost, Strategy(), 0.6) is pays, settings
+
+
 def test_a_lone_request_on_its_slot_runs_the_row_buckets_graph_where_cuda_graphs_replay(monkeypatch):
     """On CUDA a lone request's compiled step on its slot runs as a batched step (the row bucket's
     graph over the whole slot cache, the tensor CUDA graphs hold by address): a graph of the
