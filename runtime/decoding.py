@@ -133,11 +133,14 @@ class Decoder:
         seconds)``: it ran the chunk's part in a forward of its own (a server's batched step,
         ``runtime.batching.batch_round``; only on a target whose rows are reusable, which computes
         them bit for bit as alone) and that forward's share of the time. Returns the started
-        sequence. The rows a prefix cache (``prefix``) holds are not prefilled. A prompt that does
-        not fit: an error."""
+        sequence. The rows a prefix cache (``prefix``) holds are not prefilled; with
+        ``config.cache_prompt`` off, neither the prefix cache's rows nor those a drafting model kept
+        from the last sequence are used. A prompt that does not fit: an error."""
         self.check_fits(len(prompt), config)
         capacity = len(prompt) + config.max_new_tokens + self.verify_width + 2
         prefix = self.prefix if config.cache_prompt else None
+        if not config.cache_prompt:  # no rows of an earlier sequence: the drafting models' own neither
+            self.forget_rows()
         return (yield from prefill_steps(self.target, self._following(), prefix, prompt, config, capacity, self))
 
     def remember(self, seq: Sequence) -> None:

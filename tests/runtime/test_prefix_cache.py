@@ -5,6 +5,8 @@ models whose rows are reusable (any committed row, the answer's too) and on the 
 prefill chunks only). A cache that serves a stale block is caught."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -183,6 +185,11 @@ def test_a_decoder_that_forgets_its_rows_runs_its_draft_over_the_whole_prompt_an
     dec.forget_rows()
     fresh = catch_up()
     assert kept <= len(second) - len(first) and fresh >= len(second) - 1  # at least the first prompt kept, then none
+    assert catch_up() <= 1  # the same prompt again: its rows kept from the sequence before
+    # a request that opts out of cached prompts (cache_prompt off) uses no rows of the last sequence,
+    # the draft model's own included: its catch-up runs the whole prompt, as after a reset
+    off = replace(cfg, cache_prompt=False)
+    assert dec.draft_prefill(dec.start(second, off)) >= len(second) - 1
     remembered = dec.generate(second, cfg).tokens
     dec.forget_rows()
     assert dec.generate(second, cfg).tokens == remembered
