@@ -6,9 +6,9 @@ strategy id: the per-request ``{"autotune": {"strategy": MODE}}`` override), int
 to the next, ``send_order``) so the modes see the same server state, greedily (temperature 0) with
 the completion's token ids returned. With ``repeat`` above 1 each request goes round its modes that
 many times, the order reversed on every second round, and the report takes each mode's median over
-its sends (:func:`autotune.reports.replay_report.combined`). The mode ``chosen`` sends the request again right after its
-``auto`` one, forcing the strategy ``auto`` started it on
-(``forced_mode``): what ``auto``'s routing, clustering and control cost beside the same strategy.
+its sends (:func:`autotune.reports.replay_report.combined`). The mode ``chosen`` sends the request
+again right after its ``auto`` one, forcing the strategy ``auto`` started it on (``forced_mode``):
+what ``auto``'s routing, clustering and control cost beside the same strategy.
 Requests go with ``"cache_prompt": false`` unless ``cache_prompt``: a mode sent after another would
 otherwise find the first one's prompt in the server's prefix cache and look faster. :mod:`autotune.reports.replay_report` turns the
 records into the per-category report; the outputs must be identical across modes. The command

@@ -127,7 +127,8 @@ def repeat_spread(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict
     out: dict[str, dict[str, float]] = {}
     for mode in modes:
         mine = [(a, b) for a, b in pairs if a.mode == mode]
-        groups = {c: [(a, b) for a, b in mine if c in (ALL, a.category)] for c in [*categories([a for a, _ in mine]), ALL]}
+        names = [*categories([a for a, _ in mine]), ALL]
+        groups = {c: [(a, b) for a, b in mine if c in (ALL, a.category)] for c in names}
         out[mode] = {c: sum(b.latency_s for _, b in group) / first_s for c, group in groups.items()
                      if (first_s := sum(a.latency_s for a, _ in group)) > 0}
     return out
@@ -212,7 +213,9 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
               route_retunes: Mapping[str, int] | None = None, stored_tasks: Sequence[str] | None = None) -> dict[str, Any]:
     """The report: one row per (category, mode) and per mode over the whole stream (category
     :data:`ALL`), the identical-output check, the server's re-tunes per route when it reported
-    them, and the pending clusters against the categories (``stored_tasks``: see ``clustering``)."""
+    them, and the pending clusters against the categories (``stored_tasks``: see ``clustering``).
+    Every round of a repeated request is checked for identical outputs; the figures count it once
+    per mode (``combined``), and ``repeat_spread`` compares its rounds."""
     same, spread = identical(records, modes), repeat_spread(records, modes)
     records = combined(records)
     bad = set(same["differing"])
