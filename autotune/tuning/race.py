@@ -13,7 +13,9 @@ incumbent only if it measured faster than the incumbent would have on the same t
 decoding's measured speed; a speculating incumbent's corrected prediction on that window) and
 than the incumbent's own latest rounds (``Race.decide``); otherwise decoding goes back to the
 incumbent. A decision needs a prediction that survived fresh data and a measurement, so one lucky
-window never switches. A kept strategy stays on probation (``Race.probation``): once it decoded
+window never switches. Before the tuner stops on predictions alone, the candidate scored nearest the
+incumbent since it took over (``Race.note``), if within a margin of it, is measured once
+(``Race.measure_closest``): the stop rests on a measurement of its nearest rival too. A kept strategy stays on probation (``Race.probation``): once it decoded
 ``probation_tokens`` and measured more than ``switch_margin`` slower, over everything it decoded,
 than the incumbent it replaced, decoding reverts to that one (measured data only, no cost).
 
@@ -117,6 +119,16 @@ class Racer:
     raws: list[float] = field(default_factory=list)  # its uncorrected predictions, one per window
 
 
+@dataclass(frozen=True)
+class Closest:
+    """The candidate scored nearest the incumbent ``of`` since it took over: ``share`` is its score
+    over the incumbent's on the same window."""
+
+    racer: Racer
+    share: float
+    of: Strategy
+
+
 class Families:
     """The free families, swept on every fresh window: the seeds whose score on a fresh window
     costs no forward of their own (prompt lookup; a draft's all-layer plan, scored by its catch-up
@@ -159,6 +171,7 @@ class Race:
         self.rejected: list[Kept] = []  # measured trials that lost to the incumbent
         self.reverted: list[Kept] = []  # kept strategies that then measured slower than what they replaced
         self.corrections = Corrections()
+        self.closest: Closest | None = None  # the candidate nearest the incumbent since it took over (``note``)
 
     @property
     def running(self) -> Kept:
@@ -206,6 +219,8 @@ class Race:
         survivors = []
         for racer in list(self.race.values()):
             got = score(decoder, racer.strategy, tokens)
+            if got is not None:
+                self.note(racer.strategy, got, incumbent, racer.trial)
             if got is None or not self.beats(got[0], incumbent):
                 del self.race[racer.strategy]
                 continue
@@ -250,6 +265,7 @@ class Race:
             if got is None:
                 continue
             swept += 1
+            self.note(s, got, incumbent)
             if self.beats(got[0], incumbent):
                 scored.append((got, s))
         joined = []
@@ -259,6 +275,38 @@ class Race:
             if self.join(s, trial, value, raw, rate, incumbent) and s in self.race:
                 joined.append(self.race[s])
         return joined, swept
+
+    # ----------------------------------------------------------------- the closest rival
+    def note(self, strategy: Strategy, got: Score, incumbent: float, trial: int | None = None) -> None:
+        """Remember ``strategy`` (scored ``got`` on a window where the incumbent scored
+        ``incumbent``; ``trial``: its number when the study was told it) if it came nearer the
+        incumbent than any candidate since the incumbent took over (a share of its score)."""
+        if strategy in self.decoding or incumbent <= 0:
+            return
+        share = got[0] / incumbent
+        c = self.closest
+        if c is not None and c.of == self.incumbent.strategy and share <= c.share:
+            return
+        self.closest = Closest(Racer(strategy, -1 if trial is None else trial, got[0], got[1], got[2],
+                                     raws=[got[1]]), share, self.incumbent.strategy)
+
+    def measure_closest(self, decoder: Decoder, margin: float | None, tell: TellFn) -> bool:
+        """Before the tuner stops: start a measured trial for the closest rival of the incumbent
+        (``note``) when it scored within ``margin`` (a share) below the incumbent on its window
+        (None: never). Its prediction alone may be off where its correction never saw it decode;
+        the measurement decides as any measured trial does (``decide``). A rival the study was not
+        told of (a swept point that did not join the race) is told first (``tell``). -> whether
+        one started."""
+        c = self.closest
+        if margin is None or c is None or c.of != self.incumbent.strategy or self.challenger is not None \
+                or c.racer.strategy in self.decoding or c.racer.strategy in self.race or c.share < 1.0 - margin:
+            return False
+        self.closest = None
+        r = c.racer
+        trial = r.trial if r.trial >= 0 else tell(r.strategy, r.score, r.raw, r.matchness)
+        self.challenger = Kept(r.strategy, trial, r.score, r.matchness, raw_tps=r.raw, raws=list(r.raws))
+        decoder.apply(r.strategy)
+        return True
 
     # ----------------------------------------------------------------- decisions
     def decide(self, decoder: Decoder, challenger: Kept, same_text: float | None) -> bool:

@@ -29,7 +29,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    (kept in the store, ``calibration_s``), reported apart and not spent from it; after ``stop_windows`` such
    windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops trials, and
    watches: fresh windows are still scored (cheaply), and a candidate beating the incumbent there
-   resumes tuning. Trials go to
+   resumes tuning. Before it stops, the incumbent's closest rival since it took over, if scored
+   within ``closing_margin`` of it, decodes a measured trial (``Race.measure_closest``): a
+   stop rests on a measurement, not on predictions alone. Trials go to
    an in-memory study, copied to the persistent one at the end of each prompt (``flush``; a study
    copies them once, after its last prompt).
 
@@ -257,6 +259,7 @@ class OnlineTuner:
             inc.raws.append(inc.raw_tps)
         self.window.mark(tokens)
         state.windows += 1
+        was_done = state.done
         survivors = self.racing.rescore(decoder, tokens, incumbent, self.score)
         if not state.done or state.watching:  # a stopped tuner only finishes its race; a watching one sweeps
             survivors += self._sweep(decoder, tokens, incumbent)
@@ -268,6 +271,15 @@ class OnlineTuner:
             self.trials.enqueue(near)
         state.after_window(bool(survivors), self.settings)
         state.check_limits(self.settings, inc.strategy.speculates)
+        if state.done and not was_done:
+            self._close(decoder)
+
+    def _close(self, decoder: Decoder) -> None:
+        """The tuner just stopped: measure the incumbent's closest rival once
+        (``Race.measure_closest``), when it scored within ``closing_margin`` of the incumbent."""
+        if self.racing.measure_closest(decoder, self.settings.closing_margin, self._tell_swept):
+            self.state.measured_trials += 1
+            self.state.closing_trials += 1
 
     def _sweep(self, decoder: Decoder, tokens: list[int], incumbent: float) -> list[Racer]:
         """Sweep the free families at every point of their grids (``Race.sweep``); the racers that
@@ -300,6 +312,8 @@ class OnlineTuner:
         if self.racing.decide(decoder, ch, same_text):
             self.state.since_improvement = 0
             self.state.stable = 0
+            if self.state.watching:  # a closing trial won: the incumbent the stop rested on is gone
+                self.state.resume()
 
     def _trial(self, decoder: Decoder, tokens: list[int]) -> bool:
         """Ask the study for a candidate, score it on ``tokens`` and tell the study; it joins the
@@ -323,9 +337,12 @@ class OnlineTuner:
         self.trials.tell(trial, sampler, strategy, score, raw, rate)
         state.trials += 1
         state.since_improvement += 1
+        self.racing.note(strategy, got, incumbent, trial.number)
         if self.racing.join(strategy, trial.number, score, raw, rate, incumbent):
             state.since_improvement = 0
         state.check_limits(self.settings, self.incumbent.strategy.speculates)
+        if state.done:
+            self._close(decoder)
         return not state.done
 
     # ----------------------------------------------------------------- results

@@ -44,6 +44,9 @@ class TunerSettings:
     # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
     # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
+    # before stopping, the candidate scored closest to the incumbent on the latest window is measured once
+    # if it scored within this share below the incumbent there (None: never)
+    closing_margin: float | None = 0.1
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
     seed: int = 0
@@ -65,6 +68,9 @@ class TunerSettings:
         if self.rush_margin is not None and (isinstance(self.rush_margin, bool) or not isinstance(
                 self.rush_margin, (int, float)) or self.rush_margin < 0):
             raise SpaceError(f"tuner setting rush_margin={self.rush_margin!r} must be a share >= 0, or None")
+        if self.closing_margin is not None and (isinstance(self.closing_margin, bool) or not isinstance(
+                self.closing_margin, (int, float)) or not 0.0 <= self.closing_margin < 1.0):
+            raise SpaceError(f"tuner setting closing_margin={self.closing_margin!r} must be in [0, 1), or None")
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
@@ -81,6 +87,7 @@ class TunerState:
     windows: int = 0  # windows scored
     stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
+    closing_trials: int = 0  # of them, the closest rival's measured before a stop
     swept: int = 0  # points scored by the sweeps of fresh windows (arithmetic on cached matches)
     flush_s: float = 0.0  # a study's one copy of its trials to the persistent study, after its prompts
     unscored: int = 0  # trials pruned: their drafter could not score the window (not within the allowance)
@@ -130,6 +137,6 @@ class TunerState:
             "trials": self.trials, "stop_reason": self.stop_reason or "prompts ran out",
             "tuning_s": self.tuning_s, "calibration_s": self.calibration_s,
             "rounds_over_budget": self.skipped_for_budget, "windows": self.windows,
-            "measured_trials": self.measured_trials, "swept": self.swept, "unscored": self.unscored,
+            "measured_trials": self.measured_trials, "closing_trials": self.closing_trials, "swept": self.swept, "unscored": self.unscored,
             "resumed": self.resumed, "flush_s": self.flush_s,
         }

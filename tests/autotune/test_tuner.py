@@ -571,10 +571,12 @@ def test_probation_reverts_beyond_the_margin_only(target):
 
 
 def test_a_candidate_must_keep_winning_on_fresh_windows(target):
-    """With an impossible margin no candidate races: plain decoding stays, nothing is measured,
-    and the incumbent's score is its measured speed on the latest window."""
+    """With an impossible margin no candidate races: plain decoding stays, nothing is measured
+    (no closing measurement at the stop either: ``closing_margin=None``), and the incumbent's
+    score is its measured speed on the latest window."""
     cost = FixedCostModel(draft_full_s=1.0, verify_const_s=1.0)  # speculation can never look 2x plain
-    out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, cost=cost, clock=SimClock(draft=1.0))
+    out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, cost=cost, clock=SimClock(draft=1.0),
+                                  closing_margin=None)
     assert tuner.state.trials > 0 and tuner.best == PLAIN and len(tuner.kept) == 1
     assert tuner.state.measured_trials == 0 and out.stats.drafted == 0
     assert tuner.state.best_score == pytest.approx(tuner.incumbent.recent_tps)
@@ -600,6 +602,33 @@ def test_a_stable_incumbent_stops_tuning(target):
     watcher._new_window(decoder, repeating)
     assert not watcher.state.done and watcher.state.resumed == 1
     assert watcher.racing.race or watcher.challenger is not None  # racing (or measured at once)
+
+
+def test_a_stop_measures_the_closest_candidate_once(target):
+    """A tuner stopping on predictions (the incumbent led on ``stop_windows`` windows) first
+    measures the candidate scored nearest the incumbent, when within ``closing_margin`` of it
+    (the default 10%; here one scored 0.98x plain decoding): one measured trial, decided like any
+    other, before it watches. Power check: with ``closing_margin=None`` the same run stops with
+    nothing measured, and with a margin of 0 that rival (below plain) is not measured."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=128)).tokens
+    runs = {}
+    for margin in (TunerSettings().closing_margin, None, 0.0):
+        out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, stop_windows=2, min_trials=2,
+                                      max_trials=1000, patience=1000, n_new=128, closing_margin=margin,
+                                      cost=FixedCostModel(draft_full_s=1.5, verify_const_s=1.0),
+                                      clock=SimClock(draft=1.5))
+        assert out.tokens == plain
+        assert "led on 2 windows" in tuner.state.stop_reason
+        runs[margin] = tuner
+    closed = runs[0.1]
+    assert closed.state.closing_trials == 1 and closed.state.measured_trials == 1
+    trial = closed.racing.rejected[0]  # measured slower than plain decoding (as the clock charges): lost
+    assert trial.strategy.speculates and trial.tokens >= 8 and trial.trial >= 0
+    assert 0.9 <= trial.predicted_tps / closed.kept[0].predicted_tps < 1.0  # it was scored just below plain
+    assert trial.measured_tps < trial.bar_tps and closed.best == PLAIN
+    assert closed.summary()["closing_trials"] == 1
+    for margin in (None, 0.0):
+        assert runs[margin].state.closing_trials == runs[margin].state.measured_trials == 0
 
 
 def joint_decoder(target, draft, width=7):
@@ -904,6 +933,8 @@ def test_settings_are_validated():
         TunerSettings(max_share=0.0)
     with pytest.raises(SpaceError, match="match_threshold"):
         TunerSettings(match_threshold=1.5)
+    with pytest.raises(SpaceError, match="closing_margin"):
+        TunerSettings(closing_margin=1.0)
 
 
 def test_time_between_prompts_accrues_no_tuning_allowance():
