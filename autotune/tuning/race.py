@@ -15,9 +15,10 @@ than the incumbent's own latest rounds (``Race.decide``); otherwise decoding goe
 incumbent. A decision needs a prediction that survived fresh data and a measurement, so one lucky
 window never switches. Before the tuner stops on predictions alone, the candidate scored nearest the
 incumbent since it took over (``Race.note``), if within a margin of it, is measured once
-(``Race.measure_closest``): the stop rests on a measurement of its nearest rival too. A kept strategy stays on probation (``Race.probation``): once it decoded
-``probation_tokens`` and measured more than ``switch_margin`` slower, over everything it decoded,
-than the incumbent it replaced, decoding reverts to that one (measured data only, no cost).
+(``Race.measure_closest``): the stop rests on a measurement of its nearest rival too. A kept
+strategy stays on probation (``Race.probation``): once it decoded ``probation_tokens`` and measured
+more than ``switch_margin`` slower, over everything it decoded, than the incumbent it replaced,
+decoding reverts to that one (measured data only, no cost).
 
 Every measured stretch of a strategy adds to its correction ``measured / predicted`` tokens/s
 (``Race.correct``; ``autotune.tuning.corrections``, the scheme the request controller shares), so
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.tuning.corrections import Corrections
+from autotune.tuning.cost_model import CostModel
 from runtime.decoding import Decoder
 from runtime.stats import DecodeStats
 from search_spaces.spaces import SearchSpace, SpaceContext
@@ -104,6 +106,18 @@ class RoundMark:
         rounds = self.draft_rounds - last.draft_rounds
         rows = 1.0 + (self.drafted - last.drafted) / rounds if rounds > 0 else None
         return (self.verify_s - last.verify_s) / steps, rows
+
+    def observe(self, last: RoundMark, cost: CostModel) -> None:
+        """Refresh ``cost`` with the target step since ``last``: a verify of its rows when the
+        round drafted, else a plain step (``step_since``)."""
+        step = self.step_since(last)
+        if step is None:
+            return
+        seconds, rows = step
+        if rows is not None:
+            cost.observe_verify(seconds, rows)
+        else:
+            cost.observe_plain(seconds)
 
 
 @dataclass

@@ -198,20 +198,11 @@ class OnlineTuner:
 
     def _account(self, tokens: list[int], stats: DecodeStats) -> None:
         """Attribute the round just decoded to the running strategy (``Race.account``) and refresh
-        the cost model with its target step (a verify at the fixed width when it drafted, else a
-        plain step)."""
-        last, mark = self._last, RoundMark.of(len(tokens), stats, self.clock())
-        self._last = mark
-        if last is None:
-            return
-        self.racing.account(last, mark)
-        step = mark.step_since(last)
-        if step is not None:
-            seconds, rows = step
-            if rows is not None:
-                self.cost.observe_verify(seconds, rows)
-            else:
-                self.cost.observe_plain(seconds)
+        the cost model with its target step (``RoundMark.observe``)."""
+        last, self._last = self._last, RoundMark.of(len(tokens), stats, self.clock())
+        if last is not None:
+            self.racing.account(last, self._last)
+            self._last.observe(last, self.cost)
 
     # ----------------------------------------------------------------- scoring
     def score(self, decoder: Decoder, strategy: Strategy, tokens: list[int]) -> Score | None:
@@ -275,11 +266,9 @@ class OnlineTuner:
             self._close(decoder)
 
     def _close(self, decoder: Decoder) -> None:
-        """The tuner just stopped: measure the incumbent's closest rival once
-        (``Race.measure_closest``), when it scored within ``closing_margin`` of the incumbent."""
+        """The tuner just stopped: measure the incumbent's nearest rival once (``Race.measure_closest``)."""
         if self.racing.measure_closest(decoder, self.settings.closing_margin, self._tell_swept):
-            self.state.measured_trials += 1
-            self.state.closing_trials += 1
+            self.state.closing_measured()
 
     def _sweep(self, decoder: Decoder, tokens: list[int], incumbent: float) -> list[Racer]:
         """Sweep the free families at every point of their grids (``Race.sweep``); the racers that
@@ -310,8 +299,7 @@ class OnlineTuner:
             same_text = self._incumbent_score(decoder, tokens)
             self.window.mark(tokens)  # the window just scored is the latest (trials reuse its matches)
         if self.racing.decide(decoder, ch, same_text):
-            self.state.since_improvement = 0
-            self.state.stable = 0
+            self.state.since_improvement = self.state.stable = 0
             if self.state.watching:  # a closing trial won: the incumbent the stop rested on is gone
                 self.state.resume()
 

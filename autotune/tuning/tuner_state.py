@@ -114,6 +114,11 @@ class TunerState:
             self.done = self.watching = True
             self.stop_reason = f"the incumbent led on {self.stable} windows in a row"
 
+    def closing_measured(self) -> None:
+        """The nearest rival's measured trial started at a stop."""
+        self.measured_trials += 1
+        self.closing_trials += 1
+
     def resume(self) -> None:
         """A watching tuner saw a candidate beat the incumbent: the text moved, tuning goes on."""
         self.done, self.watching, self.stop_reason, self.stable = False, False, "", 0
@@ -137,6 +142,7 @@ class TunerState:
             "trials": self.trials, "stop_reason": self.stop_reason or "prompts ran out",
             "tuning_s": self.tuning_s, "calibration_s": self.calibration_s,
             "rounds_over_budget": self.skipped_for_budget, "windows": self.windows,
-            "measured_trials": self.measured_trials, "closing_trials": self.closing_trials, "swept": self.swept, "unscored": self.unscored,
+            "measured_trials": self.measured_trials, "closing_trials": self.closing_trials, "swept": self.swept,
+            "unscored": self.unscored,
             "resumed": self.resumed, "flush_s": self.flush_s,
         }
