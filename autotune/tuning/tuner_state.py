@@ -44,8 +44,8 @@ class TunerSettings:
     # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
     # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
-    # before stopping, the candidate scored closest to the incumbent on the latest window is measured once
-    # if it scored within this share below the incumbent there (None: never)
+    # before stopping, the candidate scored nearest the incumbent since it took over is measured once if it
+    # scored within this share below the incumbent on its window (None: never)
     closing_margin: float | None = 0.1
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
