@@ -312,8 +312,9 @@ class Race:
         told of (a swept point that did not join the race) is told first (``tell``). -> whether
         one started."""
         c = self.closest
+        # ``note`` kept no decoding strategy, and ``of`` is still the incumbent: the rival is not decoding
         if margin is None or c is None or c.of != self.incumbent.strategy or self.challenger is not None \
-                or c.racer.strategy in self.decoding or c.racer.strategy in self.race or c.share < 1.0 - margin:
+                or c.racer.strategy in self.race or c.share < 1.0 - margin:
             return False
         self.closest = None
         r = c.racer

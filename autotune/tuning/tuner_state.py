@@ -65,14 +65,17 @@ class TunerSettings:
         if isinstance(self.switch_margin, bool) or not isinstance(self.switch_margin, (int, float)) \
                 or not 0.0 <= self.switch_margin < 1.0:
             raise SpaceError(f"tuner setting switch_margin={self.switch_margin!r} must be in [0, 1)")
-        if self.rush_margin is not None and (isinstance(self.rush_margin, bool) or not isinstance(
-                self.rush_margin, (int, float)) or self.rush_margin < 0):
-            raise SpaceError(f"tuner setting rush_margin={self.rush_margin!r} must be a share >= 0, or None")
-        if self.closing_margin is not None and (isinstance(self.closing_margin, bool) or not isinstance(
-                self.closing_margin, (int, float)) or not 0.0 <= self.closing_margin < 1.0):
-            raise SpaceError(f"tuner setting closing_margin={self.closing_margin!r} must be in [0, 1), or None")
+        _optional_share("rush_margin", self.rush_margin, "a share >= 0", float("inf"))
+        _optional_share("closing_margin", self.closing_margin, "in [0, 1)", 1.0)
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
+
+
+def _optional_share(name: str, value: object, what: str, below: float) -> None:
+    """Raise unless ``value`` is None or a number in [0, ``below``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0.0 <= value < below):
+        raise SpaceError(f"tuner setting {name}={value!r} must be {what}, or None")
 
 
 @dataclass
