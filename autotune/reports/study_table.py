@@ -79,8 +79,8 @@ def format_study(report: Any) -> str:
         ("predicted / measured", _ratio_text(t.get("stored") or {})),
         ("uniform (start)", report.uniform.to_json()),
         ("trials", f"{t['trials']} ({t['stop_reason']}; {t.get('bayes_trials', 0)} Bayesian, "
-                   f"{t.get('measured_trials', 0)} measured, {t.get('closing_trials', 0)} of them the nearest rival's "
-                   "before a stop; "
+                   f"{t.get('measured_trials', 0)} measured, {t.get('rival_trials', 0)} of them the nearest "
+                   "rival's; "
                    f"{t.get('swept', 0)} grid points swept on "
                    f"{t.get('windows', 0)} windows)"),
         ("tuning share", f"{100 * report.tuning_share:.1f}% of decode time while tuning, spent window by window "

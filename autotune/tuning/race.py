@@ -13,9 +13,10 @@ incumbent only if it measured faster than the incumbent would have on the same t
 decoding's measured speed; a speculating incumbent's corrected prediction on that window) and
 than the incumbent's own latest rounds (``Race.decide``); otherwise decoding goes back to the
 incumbent. A decision needs a prediction that survived fresh data and a measurement, so one lucky
-window never switches. Before the tuner stops on predictions alone, the candidate scored nearest the
-incumbent since it took over (``Race.note``), if within a margin of it, is measured once
-(``Race.measure_closest``): the stop rests on a measurement of its nearest rival too. A kept
+window never switches. The candidate scored nearest the incumbent since its last measurement
+(``Race.note``), if within a margin of it, is measured (``Race.measure_rival``) before the tuner
+stops on predictions alone, and when predictions alone have ruled for a while: a standing
+incumbent rests on measurements of its nearest rival too. A kept
 strategy stays on probation (``Race.probation``): once it decoded ``probation_tokens`` and measured
 more than ``switch_margin`` slower, over everything it decoded, than the incumbent it replaced,
 decoding reverts to that one (measured data only, no cost).
@@ -135,8 +136,8 @@ class Racer:
 
 @dataclass(frozen=True)
 class Closest:
-    """The candidate scored nearest the incumbent ``of`` since it took over: ``share`` is its score
-    over the incumbent's on the same window."""
+    """The candidate scored nearest the incumbent ``of`` since it took over or its last rival was
+    measured: ``share`` is its score over the incumbent's on the same window."""
 
     racer: Racer
     share: float
@@ -185,7 +186,7 @@ class Race:
         self.rejected: list[Kept] = []  # measured trials that lost to the incumbent
         self.reverted: list[Kept] = []  # kept strategies that then measured slower than what they replaced
         self.corrections = Corrections()
-        self.closest: Closest | None = None  # the candidate nearest the incumbent since it took over (``note``)
+        self.closest: Closest | None = None  # nearest the incumbent lately (``note``)
 
     @property
     def running(self) -> Kept:
@@ -255,6 +256,8 @@ class Race:
             return False
         racer = max(ready, key=lambda r: r.score)
         del self.race[racer.strategy]
+        if self.closest is not None and self.closest.racer.strategy == racer.strategy:
+            self.closest = None  # measured now: its next rival measurement is another's
         self.challenger = Kept(racer.strategy, racer.trial, racer.score, racer.matchness, raw_tps=racer.raw,
                                raws=list(racer.raws))
         decoder.apply(racer.strategy)
@@ -294,7 +297,8 @@ class Race:
     def note(self, strategy: Strategy, got: Score, incumbent: float, trial: int | None = None) -> None:
         """Remember ``strategy`` (scored ``got`` on a window where the incumbent scored
         ``incumbent``; ``trial``: its number when the study was told it) if it came nearer the
-        incumbent than any candidate since the incumbent took over (a share of its score)."""
+        incumbent than any candidate since the incumbent took over or its last rival was measured
+        (a share of its score)."""
         if strategy in self.decoding or incumbent <= 0:
             return
         share = got[0] / incumbent
@@ -304,10 +308,10 @@ class Race:
         self.closest = Closest(Racer(strategy, -1 if trial is None else trial, got[0], got[1], got[2],
                                      raws=[got[1]]), share, self.incumbent.strategy)
 
-    def measure_closest(self, decoder: Decoder, margin: float | None, tell: TellFn) -> bool:
-        """Before the tuner stops: start a measured trial for the closest rival of the incumbent
-        (``note``) when it scored within ``margin`` (a share) below the incumbent on its window
-        (None: never). Its prediction alone may be off where its correction never saw it decode;
+    def measure_rival(self, decoder: Decoder, margin: float | None, tell: TellFn) -> bool:
+        """Start a measured trial for the closest rival of the incumbent (``note``) when it scored
+        within ``margin`` (a share) below the incumbent on its window (None: never); ``note``
+        then starts afresh. Its prediction alone may be off where its correction never saw it decode;
         the measurement decides as any measured trial does (``decide``). A rival the study was not
         told of (a swept point that did not join the race) is told first (``tell``). -> whether
         one started."""

@@ -29,9 +29,10 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    (kept in the store, ``calibration_s``), reported apart and not spent from it; after ``stop_windows`` such
    windows (a sign test at p = 0.5^stop_windows) and ``min_trials`` trials it stops trials, and
    watches: fresh windows are still scored (cheaply), and a candidate beating the incumbent there
-   resumes tuning. Before it stops, the incumbent's closest rival since it took over, if scored
-   within ``closing_margin`` of it, decodes a measured trial (``Race.measure_closest``): a
-   stop rests on a measurement, not on predictions alone. Trials go to
+   resumes tuning. Before it stops, and whenever ``stop_windows`` windows passed with no measured
+   trial, the incumbent's closest rival since it took over (or since the last such measurement),
+   if scored within ``rival_margin`` of it, decodes a measured trial (``Race.measure_rival``): a
+   stop, and an incumbent standing unchallenged, rest on measurements, not on predictions alone. Trials go to
    an in-memory study, copied to the persistent one at the end of each prompt (``flush``; a study
    copies them once, after its last prompt).
 
@@ -189,7 +190,7 @@ class OnlineTuner:
         rush, bar = self.settings.rush_margin, self.state.best_score
         rushers = [r for r in self.racing.race.values() if self.racing.rushes(r, bar, rush)]
         if self.challenger is None and rushers and self.racing.measure_best(decoder, rushers, bar, rush):
-            self.state.measured_trials += 1
+            self.state.measured()
 
     def _spend(self, seconds: float) -> None:
         """Tuning time: reported, and spent from the allowance."""
@@ -257,18 +258,18 @@ class OnlineTuner:
         if state.watching and survivors:  # the text moved: a candidate beats the incumbent again
             state.resume()
         if self.racing.measure_best(decoder, survivors, incumbent, self.settings.rush_margin):
-            state.measured_trials += 1
+            state.measured()
         for near in self.space.neighbours(inc.strategy, self.ctx):  # a local step around the incumbent
             self.trials.enqueue(near)
         state.after_window(bool(survivors), self.settings)
         state.check_limits(self.settings, inc.strategy.speculates)
-        if state.done and not was_done:
-            self._close(decoder)
+        if (state.done and not was_done) or state.unmeasured(self.settings.stop_windows):
+            self._measure_rival(decoder)
 
-    def _close(self, decoder: Decoder) -> None:
-        """The tuner just stopped: measure the incumbent's nearest rival once (``Race.measure_closest``)."""
-        if self.racing.measure_closest(decoder, self.settings.closing_margin, self._tell_swept):
-            self.state.closing_measured()
+    def _measure_rival(self, decoder: Decoder) -> None:
+        """A stop, or ``stop_windows`` windows unmeasured: measure the nearest rival (``Race.measure_rival``)."""
+        if self.racing.measure_rival(decoder, self.settings.rival_margin, self._tell_swept):
+            self.state.measured(rival=True)
 
     def _sweep(self, decoder: Decoder, tokens: list[int], incumbent: float) -> list[Racer]:
         """Sweep the free families at every point of their grids (``Race.sweep``); the racers that
@@ -330,7 +331,7 @@ class OnlineTuner:
             state.since_improvement = 0
         state.check_limits(self.settings, self.incumbent.strategy.speculates)
         if state.done:
-            self._close(decoder)
+            self._measure_rival(decoder)
         return not state.done
 
     # ----------------------------------------------------------------- results

@@ -44,9 +44,10 @@ class TunerSettings:
     # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
     # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
-    # before stopping, the candidate scored nearest the incumbent since it took over is measured once if it
-    # scored within this share below the incumbent on its window (None: never)
-    closing_margin: float | None = 0.1
+    # the candidate scored nearest the incumbent since its last measurement decodes a measured trial when
+    # it scored within this share below the incumbent on its window (None: never): before the tuner
+    # stops, and once ``stop_windows`` windows passed with no measured trial
+    rival_margin: float | None = 0.1
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
     seed: int = 0
@@ -66,7 +67,7 @@ class TunerSettings:
                 or not 0.0 <= self.switch_margin < 1.0:
             raise SpaceError(f"tuner setting switch_margin={self.switch_margin!r} must be in [0, 1)")
         _optional_share("rush_margin", self.rush_margin, "a share >= 0", float("inf"))
-        _optional_share("closing_margin", self.closing_margin, "in [0, 1)", 1.0)
+        _optional_share("rival_margin", self.rival_margin, "in [0, 1)", 1.0)
         if not 0.0 < self.max_share <= 1.0:
             raise SpaceError(f"tuner setting max_share={self.max_share!r} must be in (0, 1]")
 
@@ -90,7 +91,8 @@ class TunerState:
     windows: int = 0  # windows scored
     stable: int = 0  # windows in a row on which no racer survived (and candidates were tried)
     measured_trials: int = 0
-    closing_trials: int = 0  # of them, the closest rival's measured before a stop
+    rival_trials: int = 0  # of them, the incumbent's nearest rival's (``OnlineTuner._measure_rival``)
+    measured_at: int = 0  # ``windows`` when the latest measured trial started
     swept: int = 0  # points scored by the sweeps of fresh windows (arithmetic on cached matches)
     flush_s: float = 0.0  # a study's one copy of its trials to the persistent study, after its prompts
     unscored: int = 0  # trials pruned: their drafter could not score the window (not within the allowance)
@@ -117,10 +119,16 @@ class TunerState:
             self.done = self.watching = True
             self.stop_reason = f"the incumbent led on {self.stable} windows in a row"
 
-    def closing_measured(self) -> None:
-        """The nearest rival's measured trial started at a stop."""
+    def measured(self, rival: bool = False) -> None:
+        """A measured trial started (``rival``: the incumbent's nearest rival's)."""
         self.measured_trials += 1
-        self.closing_trials += 1
+        self.rival_trials += rival
+        self.measured_at = self.windows
+
+    def unmeasured(self, windows: int) -> bool:
+        """Whether a tuner still trying candidates scored ``windows`` windows since its latest
+        measured trial started (or since it began): predictions alone have ruled that long."""
+        return not self.done and self.windows - self.measured_at >= windows
 
     def resume(self) -> None:
         """A watching tuner saw a candidate beat the incumbent: the text moved, tuning goes on."""
@@ -145,7 +153,7 @@ class TunerState:
             "trials": self.trials, "stop_reason": self.stop_reason or "prompts ran out",
             "tuning_s": self.tuning_s, "calibration_s": self.calibration_s,
             "rounds_over_budget": self.skipped_for_budget, "windows": self.windows,
-            "measured_trials": self.measured_trials, "closing_trials": self.closing_trials, "swept": self.swept,
+            "measured_trials": self.measured_trials, "rival_trials": self.rival_trials, "swept": self.swept,
             "unscored": self.unscored,
             "resumed": self.resumed, "flush_s": self.flush_s,
         }

@@ -572,11 +572,11 @@ def test_probation_reverts_beyond_the_margin_only(target):
 
 def test_a_candidate_must_keep_winning_on_fresh_windows(target):
     """With an impossible margin no candidate races: plain decoding stays, nothing is measured
-    (no closing measurement at the stop either: ``closing_margin=None``), and the incumbent's
+    (no rival measured at the stop either: ``rival_margin=None``), and the incumbent's
     score is its measured speed on the latest window."""
     cost = FixedCostModel(draft_full_s=1.0, verify_const_s=1.0)  # speculation can never look 2x plain
     out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, cost=cost, clock=SimClock(draft=1.0),
-                                  closing_margin=None)
+                                  rival_margin=None)
     assert tuner.state.trials > 0 and tuner.best == PLAIN and len(tuner.kept) == 1
     assert tuner.state.measured_trials == 0 and out.stats.drafted == 0
     assert tuner.state.best_score == pytest.approx(tuner.incumbent.recent_tps)
@@ -606,29 +606,85 @@ def test_a_stable_incumbent_stops_tuning(target):
 
 def test_a_stop_measures_the_closest_candidate_once(target):
     """A tuner stopping on predictions (the incumbent led on ``stop_windows`` windows) first
-    measures the candidate scored nearest the incumbent, when within ``closing_margin`` of it
+    measures the candidate scored nearest the incumbent, when within ``rival_margin`` of it
     (the default 10%; here one scored 0.98x plain decoding): one measured trial, decided like any
-    other, before it watches. Power check: with ``closing_margin=None`` the same run stops with
+    other, before it watches. Power check: with ``rival_margin=None`` the same run stops with
     nothing measured, and with a margin of 0 that rival (below plain) is not measured."""
     plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=128)).tokens
     runs = {}
-    for margin in (TunerSettings().closing_margin, None, 0.0):
+    for margin in (TunerSettings().rival_margin, None, 0.0):
         out, tuner, _ = self_spec_run(target, seed=7, switch_margin=0.99, stop_windows=2, min_trials=2,
-                                      max_trials=1000, patience=1000, n_new=128, closing_margin=margin,
+                                      max_trials=1000, patience=1000, n_new=128, rival_margin=margin,
                                       cost=FixedCostModel(draft_full_s=1.5, verify_const_s=1.0),
                                       clock=SimClock(draft=1.5))
         assert out.tokens == plain
         assert "led on 2 windows" in tuner.state.stop_reason
         runs[margin] = tuner
     closed = runs[0.1]
-    assert closed.state.closing_trials == 1 and closed.state.measured_trials == 1
+    assert closed.state.rival_trials == 1 and closed.state.measured_trials == 1
     trial = closed.racing.rejected[0]  # measured slower than plain decoding (as the clock charges): lost
     assert trial.strategy.speculates and trial.tokens >= 8 and trial.trial >= 0
     assert 0.9 <= trial.predicted_tps / closed.kept[0].predicted_tps < 1.0  # it was scored just below plain
     assert trial.measured_tps < trial.bar_tps and closed.best == PLAIN
-    assert closed.summary()["closing_trials"] == 1
+    assert closed.summary()["rival_trials"] == 1
     for margin in (None, 0.0):
-        assert runs[margin].state.closing_trials == runs[margin].state.measured_trials == 0
+        assert runs[margin].state.rival_trials == runs[margin].state.measured_trials == 0
+
+
+def lookup_run(target: CausalLM, **changes):
+    """The `lookup` space tuned on the tiny target's greedy output (it repeats itself: prompt
+    lookup accepts there), 128 tokens. The cost model prices each verify row past the first like
+    a whole step, so lookup scores no faster than plain decoding (share <= 1), while the clock
+    charges target steps only: a lookup trial measures faster than its prediction. Nothing
+    joins the race (``switch_margin`` 0.99); only a rival measurement can switch."""
+    space, ctx = get_space("lookup"), SpaceContext(n_layers=N_LAYERS, max_draft_length=4)
+    decoder = Decoder(target, PromptLookupDrafter(max_ngram=3), 4, verify_width=5, kind="prompt-lookup")
+    settings = TunerSettings(**{**dict(window=8, max_share=1.0, trials_per_round=2, confirm_tokens=8, seed=7,
+                                       switch_margin=0.99, stop_windows=2, min_trials=2, max_trials=1000,
+                                       patience=1000), **changes})
+    clock = SimClock(draft=0.0)
+    tuner = OnlineTuner(space, ctx, optuna.create_study(direction="maximize"),
+                        FixedCostModel(draft_full_s=0.0, verify_const_s=1.0, verify_row_s=1.0), settings, clock=clock)
+    tuner.start_prompt(len(PROMPT))
+    out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=128), before_round=clock.hook(tuner))
+    tuner.end_prompt(PROMPT + out.tokens, out.stats)
+    return out, tuner
+
+
+def test_a_rival_that_measures_faster_at_a_stop_replaces_the_incumbent_and_tuning_resumes(target):
+    """The stop's rival measurement decides like any measured trial: a rival scored within
+    ``rival_margin`` below plain decoding but measured faster replaces it, the stop is void and
+    the tuner resumes; the output stays plain decoding's. Power check: with ``rival_margin=None``
+    the same stream stops on plain decoding, nothing measured, nothing drafted."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=128)).tokens
+    out, tuner = lookup_run(target)
+    assert out.tokens == plain and out.stats.drafted > 0
+    first = tuner.kept[1]  # the first switch: a rival measured at a stop
+    assert tuner.racing.switches[0] == first.trial and tuner.state.resumed >= 1
+    assert tuner.state.rival_trials == tuner.state.measured_trials >= 1
+    assert first.strategy.drafter == "prompt-lookup" and first.replaced is tuner.kept[0]
+    assert 0.9 <= first.predicted_tps / tuner.kept[0].predicted_tps <= 1.0  # scored no faster than plain
+    assert first.measured_tps > first.bar_tps  # and measured faster
+    assert tuner.best.speculates and tuner.summary()["rival_trials"] == tuner.state.rival_trials
+    out, off = lookup_run(target, rival_margin=None)
+    assert out.tokens == plain and out.stats.drafted == 0
+    assert off.best == PLAIN and off.state.measured_trials == 0 and "led on 2 windows" in off.state.stop_reason
+
+
+def test_predictions_alone_rule_for_at_most_stop_windows_windows(target):
+    """A tuner that never stops (``min_trials`` out of reach) still measures the incumbent's
+    nearest rival once ``stop_windows`` windows passed with no measured trial, and the rival
+    that measures faster switches. Power check: with ``stop_windows`` beyond the stream's windows,
+    or ``rival_margin=None``, nothing is measured."""
+    plain = Decoder(target).generate(PROMPT, GenerationConfig(max_new_tokens=128)).tokens
+    out, tuner = lookup_run(target, min_trials=10**6, stop_windows=3)
+    assert out.tokens == plain and not tuner.state.done and tuner.state.resumed == 0
+    assert tuner.state.rival_trials == tuner.state.measured_trials >= 2  # one after each unmeasured stretch
+    assert tuner.racing.switches and tuner.best.drafter == "prompt-lookup"
+    for changes in (dict(stop_windows=100), dict(stop_windows=3, rival_margin=None)):
+        out, idle = lookup_run(target, min_trials=10**6, **changes)
+        assert out.tokens == plain and idle.state.windows > 3
+        assert idle.state.measured_trials == 0 and idle.best == PLAIN
 
 
 def joint_decoder(target, draft, width=7):
@@ -933,8 +989,8 @@ def test_settings_are_validated():
         TunerSettings(max_share=0.0)
     with pytest.raises(SpaceError, match="match_threshold"):
         TunerSettings(match_threshold=1.5)
-    with pytest.raises(SpaceError, match="closing_margin"):
-        TunerSettings(closing_margin=1.0)
+    with pytest.raises(SpaceError, match="rival_margin"):
+        TunerSettings(rival_margin=1.0)
 
 
 def test_time_between_prompts_accrues_no_tuning_allowance():
