@@ -13,7 +13,8 @@ incumbent only if it measured faster than the incumbent would have on the same t
 decoding's measured speed; a speculating incumbent's corrected prediction on that window) and
 than the incumbent's own latest rounds (``Race.decide``); otherwise decoding goes back to the
 incumbent. A decision needs a prediction that survived fresh data and a measurement, so one lucky
-window never switches. The candidate scored nearest the incumbent since its last measurement
+window never switches (a racer priced far above the incumbent is measured at once, ``Race.rushes``,
+until a rushed trial of its drafter kind lost to that incumbent). The candidate scored nearest the incumbent since its last measurement
 (``Race.note``), if within a margin of it, is measured (``Race.measure_rival``) before the tuner
 stops on predictions alone, and when predictions alone have ruled for a while: a standing
 incumbent rests on measurements of its nearest rival too. A kept
@@ -63,6 +64,7 @@ class Kept:
     raws: list[float] = field(default_factory=list)  # uncorrected predictions on the windows it raced / decoded
     bar_tps: float | None = None  # a measured trial's bar: the incumbent's speed on the same tokens
     replaced: "Kept | None" = None  # the incumbent it replaced (what its probation compares with)
+    rushed: bool = False  # its measured trial started on one window's price alone (``Race.rushes``)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))  # (tokens, seconds) per round
     corrected: tuple[int, float, int] = (0, 0, 0)  # tokens, seconds and raws already given to the corrections
 
@@ -187,6 +189,7 @@ class Race:
         self.reverted: list[Kept] = []  # kept strategies that then measured slower than what they replaced
         self.corrections = Corrections()
         self.closest: Closest | None = None  # nearest the incumbent lately (``note``)
+        self.rush_lost: set[str] = set()  # drafter kinds whose rushed trial lost to the incumbent (``rushes``)
 
     @property
     def running(self) -> Kept:
@@ -255,18 +258,22 @@ class Race:
         if not ready:
             return False
         racer = max(ready, key=lambda r: r.score)
+        rushed = racer.wins < self.race_windows
         del self.race[racer.strategy]
         if self.closest is not None and self.closest.racer.strategy == racer.strategy:
             self.closest = None  # measured now: its next rival measurement is another's
         self.challenger = Kept(racer.strategy, racer.trial, racer.score, racer.matchness, raw_tps=racer.raw,
-                               raws=list(racer.raws))
+                               raws=list(racer.raws), rushed=rushed)
         decoder.apply(racer.strategy)
         return True
 
-    @staticmethod
-    def rushes(racer: Racer, incumbent: float | None, rush: float | None) -> bool:
-        """Whether ``racer`` scored ``rush`` (a share) above the ``incumbent``'s score: measured at once."""
-        return rush is not None and incumbent is not None and racer.score > incumbent * (1.0 + rush)
+    def rushes(self, racer: Racer, incumbent: float | None, rush: float | None) -> bool:
+        """Whether ``racer`` scored ``rush`` (a share) above the ``incumbent``'s score: measured at
+        once. Not once a rushed trial of its drafter kind lost to this incumbent: one window's
+        price already misled about that kind on this text (a window that copies, then text that
+        does not), so its candidates win a fresh window first, as every racer does."""
+        return rush is not None and incumbent is not None and racer.strategy.drafter not in self.rush_lost \
+            and racer.score > incumbent * (1.0 + rush)
 
     def sweep(self, decoder: Decoder, tokens: list[int], incumbent: float, points: Iterable[Strategy],
               score: ScoreFn, tell: TellFn) -> tuple[list[Racer], int]:
@@ -343,10 +350,13 @@ class Race:
         if (challenger.measured_tps or 0.0) > bar:
             challenger.replaced = inc
             self.incumbent = challenger
+            self.rush_lost.clear()
             self.kept.append(challenger)
             self.switches.append(challenger.trial)
             return True
         self.rejected.append(challenger)
+        if challenger.rushed:
+            self.rush_lost.add(challenger.strategy.drafter)
         decoder.apply(inc.strategy)
         return False
 
@@ -365,6 +375,7 @@ class Race:
         inc.bar_tps = prev.measured_tps
         self.reverted.append(inc)
         self.incumbent = prev
+        self.rush_lost.clear()
         self.switches.append(prev.trial)
         decoder.apply(prev.strategy)
         return True

@@ -1076,6 +1076,42 @@ def test_a_candidate_priced_far_ahead_is_measured_at_once(target):
     assert first_measured[0.05] is not None and first_measured[None] == first_measured[0.05] + 1
 
 
+def test_a_kind_whose_rushed_trial_lost_races_like_any_other(target):
+    """Once a rushed trial (started on one window's price, ``rush_margin`` above the incumbent)
+    lost, its drafter kind rushes no more against that incumbent: its next candidate, priced even
+    further ahead, waits to win a fresh window (``race_windows``); other kinds still rush, and
+    once the incumbent changes the kind rushes again. Power check: before the loss the same
+    kind rushed at once."""
+    from autotune.tuning.race import Race, Racer
+
+    race = Race(switch_margin=0.05, race_windows=1, probation_tokens=128)
+    race.incumbent.predicted_tps = 10.0  # plain decoding, 10 tokens/s
+    decoder = Decoder(target, PromptLookupDrafter(max_ngram=3), 4, verify_width=9, kind="prompt-lookup")
+
+    def racer(k: int, score: float, drafter: str = "prompt-lookup") -> Racer:
+        r = Racer(Strategy(drafter=drafter, draft_length=k), trial=k, score=score, raw=score, matchness=0.5)
+        race.race[r.strategy] = r
+        return r
+
+    first = racer(4, 20.0)
+    assert race.rushes(first, 10.0, 0.25) and race.measure_best(decoder, [first], 10.0, 0.25)
+    lost = race.challenger
+    assert lost.rushed and decoder.kind == "prompt-lookup"
+    lost.tokens, lost.seconds = 32, 8.0  # 4 tokens/s: slower than plain decoding
+    race.challenger = None
+    assert not race.decide(decoder, lost, None) and race.rush_lost == {"prompt-lookup"}
+    second = racer(6, 40.0)
+    assert not race.rushes(second, 10.0, 0.25) and not race.measure_best(decoder, [second], 10.0, 0.25)
+    assert race.rushes(racer(3, 20.0, drafter="draft-model"), 10.0, 0.25)  # another kind still rushes
+    second.wins = 1  # it won a fresh window: measured as any racer is
+    assert race.measure_best(decoder, [second], 10.0, 0.25) and not race.challenger.rushed
+    won = race.challenger
+    won.tokens, won.seconds = 32, 1.0
+    race.challenger = None
+    assert race.decide(decoder, won, None) and not race.rush_lost  # a new incumbent: the kind may rush again
+    assert race.rushes(racer(8, 80.0), 32.0, 0.25)
+
+
 def test_the_held_out_text_is_priced_by_the_cost_model_alone(target, draft):
     """``price_text`` prices a text the candidate just decoded: its replay knows what that text
     accepts, so the strategy's correction (which holds how far window forecasts of acceptance
