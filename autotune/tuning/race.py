@@ -14,13 +14,13 @@ decoding's measured speed; a speculating incumbent's corrected prediction on tha
 than the incumbent's own latest rounds (``Race.decide``); otherwise decoding goes back to the
 incumbent. A decision needs a prediction that survived fresh data and a measurement, so one lucky
 window never switches (a racer priced far above the incumbent is measured at once, ``Race.rushes``,
-until a rushed trial of its drafter kind lost to that incumbent). The candidate scored nearest the incumbent since its last measurement
-(``Race.note``), if within a margin of it, is measured (``Race.measure_rival``) before the tuner
-stops on predictions alone, and when predictions alone have ruled for a while: a standing
-incumbent rests on measurements of its nearest rival too. A kept
-strategy stays on probation (``Race.probation``): once it decoded ``probation_tokens`` and measured
-more than ``switch_margin`` slower, over everything it decoded, than the incumbent it replaced,
-decoding reverts to that one (measured data only, no cost).
+until a rushed trial of its drafter kind lost to that incumbent). The candidate scored nearest the
+incumbent since it took over or since its last rival measurement (``Race.note``), if within a
+margin of it, is measured (``Race.measure_rival``) before the tuner stops on predictions alone,
+and when predictions alone have ruled for a while: a standing incumbent rests on measurements of
+its nearest rival too. A kept strategy stays on probation (``Race.probation``): once it decoded
+``probation_tokens`` and measured more than ``switch_margin`` slower, over everything it decoded,
+than the incumbent it replaced, decoding reverts to that one (measured data only, no cost).
 
 Every measured stretch of a strategy adds to its correction ``measured / predicted`` tokens/s
 (``Race.correct``; ``autotune.tuning.corrections``, the scheme the request controller shares), so

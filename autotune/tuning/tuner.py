@@ -32,9 +32,9 @@ measured time. While decoding goes on with the incumbent, before rounds the tune
    resumes tuning. Before it stops, and whenever ``stop_windows`` windows passed with no measured
    trial, the incumbent's closest rival since it took over (or since the last such measurement),
    if scored within ``rival_margin`` of it, decodes a measured trial (``Race.measure_rival``): a
-   stop, and an incumbent standing unchallenged, rest on measurements, not on predictions alone. Trials go to
-   an in-memory study, copied to the persistent one at the end of each prompt (``flush``; a study
-   copies them once, after its last prompt).
+   stop, and an incumbent standing unchallenged, rest on measurements, not on predictions alone.
+   Trials go to an in-memory study, copied to the persistent one at the end of each prompt
+   (``flush``; a study copies them once, after its last prompt).
 
 The decoder switches strategies through ``Decoder.apply``: every drafter kind of the space is on
 the decoder (drafting or on standby, following the sequence), so a switch keeps all state.

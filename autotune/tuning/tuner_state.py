@@ -44,9 +44,9 @@ class TunerSettings:
     # a kept strategy that decoded this many tokens and measured ``switch_margin`` slower than the one
     # it replaced (over everything each decoded) is reverted: a measured trial is one stretch of text
     probation_tokens: int = 128
-    # the candidate scored nearest the incumbent since its last measurement decodes a measured trial when
-    # it scored within this share below the incumbent on its window (None: never): before the tuner
-    # stops, and once ``stop_windows`` windows passed with no measured trial
+    # the candidate scored nearest the incumbent (since it took over or the last such measurement) decodes
+    # a measured trial when it scored within this share below the incumbent on its window (None: never):
+    # before the tuner stops, and once ``stop_windows`` windows passed with no measured trial
     rival_margin: float | None = 0.1
     stop_windows: int = 6  # stop after the incumbent led on this many windows in a row ...
     min_trials: int = 48  # ... and at least this many trials ran (and the allowance is not cut before)
