@@ -417,13 +417,13 @@ class Race:
             kept.append({
                 "trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": predicted,
                 "measured_tps": measured, "matchness": k.matchness, "tokens": k.tokens, "acceptance": k.acceptance,
-                "bar_tps": k.bar_tps,
+                "bar_tps": k.bar_tps, "rushed": k.rushed,
                 "ratio": predicted / measured if predicted and measured else None,
             })
         return {
             "rejected": [
                 {"trial": k.trial, "strategy": k.strategy.to_dict(), "predicted_tps": k.predicted_tps,
-                 "measured_tps": k.measured_tps, "incumbent_tps": k.bar_tps}
+                 "measured_tps": k.measured_tps, "incumbent_tps": k.bar_tps, "rushed": k.rushed}
                 for k in self.rejected
             ],
             "switches": list(self.switches),

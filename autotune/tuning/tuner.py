@@ -301,7 +301,7 @@ class OnlineTuner:
             self.window.mark(tokens)  # the window just scored is the latest (trials reuse its matches)
         if self.racing.decide(decoder, ch, same_text):
             self.state.since_improvement = self.state.stable = 0
-            if self.state.watching:  # a closing trial won: the incumbent the stop rested on is gone
+            if self.state.watching:  # a rival measured at the stop won: the incumbent the stop rested on is gone
                 self.state.resume()
 
     def _trial(self, decoder: Decoder, tokens: list[int]) -> bool:

@@ -1100,6 +1100,7 @@ def test_a_kind_whose_rushed_trial_lost_races_like_any_other(target):
     lost.tokens, lost.seconds = 32, 8.0  # 4 tokens/s: slower than plain decoding
     race.challenger = None
     assert not race.decide(decoder, lost, None) and race.rush_lost == {"prompt-lookup"}
+    assert race.summary()["rejected"][0]["rushed"] is True  # the study's JSON says which trials rushed
     second = racer(6, 40.0)
     assert not race.rushes(second, 10.0, 0.25) and not race.measure_best(decoder, [second], 10.0, 0.25)
     assert race.rushes(racer(3, 20.0, drafter="draft-model"), 10.0, 0.25)  # another kind still rushes
