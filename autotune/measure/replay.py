@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -117,6 +117,8 @@ class ReplayRecord:
     tuning_s: float | None = None  # a re-tune's request: the tuning time it carried (``serve --adaptive``)
     prefix_tokens: int = 0  # prompt tokens whose rows came from the server's prefix cache
     send: int = 0  # the round of the request's modes this answer came from (``replay``'s repeat), 0 first
+    # where its time to the first token went (the server's ``stages``: queue, admit, prefill, start)
+    stages: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_response(cls, request: StreamRequest, mode: str, body: dict[str, Any]) -> ReplayRecord:
@@ -139,7 +141,8 @@ class ReplayRecord:
                 latency_s=float(info["latency_s"]), token_ids=tuple(int(t) for t in info["token_ids"]),
                 cluster=None if info.get("cluster") is None else int(info["cluster"]),
                 tuning_s=float(tuning["tuning_s"]) if isinstance(tuning, dict) else None,
-                prefix_tokens=int(info.get("prefix_tokens", 0)), **extra,
+                prefix_tokens=int(info.get("prefix_tokens", 0)),
+                stages={str(k): float(v) for k, v in (info.get("stages") or {}).items()}, **extra,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteError(f"request {request.index} ({mode}): malformed response ({type(exc).__name__}: {exc}); "

@@ -3,7 +3,7 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with ``[DONE]``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every response carries an ``autotune``
 object next to ``usage``: the route, the strategy (stored id, "plain" or "default"), drafted,
-accepted, M and tokens/s. Bad input is refused here with an OpenAI error body and never reaches
+accepted, M, tokens/s, and where its time to the first token went (``jobs.stages``). Bad input is refused here with an OpenAI error body and never reaches
 the worker; an error body never carries a path, a storage URL or an exception's name (those go to
 the log). ``guard.Guard`` checks the API key and the body size before any of this runs.
 """
@@ -31,7 +31,7 @@ from autotune.serving.protocol import (
 )
 from autotune.serving.routing.book import StrategyBook
 from autotune.serving.text import TextStream
-from autotune.serving.jobs import Choice, Job, Outcome
+from autotune.serving.jobs import Choice, Job, Outcome, stages
 from runtime.decoding import GenerationConfig, check_fits
 from runtime.errors import RuntimeUserError
 from runtime.sampling import SamplingParams
@@ -141,7 +141,7 @@ def autotune_fields(job: Job, outcome: Outcome, token_ids: bool) -> dict[str, An
         "drafted": s.drafted, "accepted": s.accepted, "draft_rounds": s.draft_rounds,
         "accepted_per_position": list(s.position_accepted), "mean_accepted": s.mean_accepted,
         "tokens_per_s": s.tokens_per_s, "ttft_s": outcome.ttft_s, "latency_s": outcome.latency_s,
-        "prefix_tokens": s.prefix_rows,
+        "prefix_tokens": s.prefix_rows, "stages": stages(job),
     }
     if job.control is not None:  # routed: what its controller did (prior, final strategy, switches, scoring time)
         out["control"] = job.control

@@ -64,6 +64,11 @@ class Job:
     text: str = ""  # the request's routing text (what a route re-tuned or created stores)
     cancelled: threading.Event = field(default_factory=threading.Event)
     accepted_at: float = field(default_factory=time.perf_counter)
+    # where its time to the first token went (``stages``): the decode thread took it, its prompt's
+    # first chunk was ready to run (routing by the adaptive layer and its decoder done), its last ran
+    admitted_at: float | None = None
+    prefill_at: float | None = None
+    prefilled_at: float | None = None
     first_token_at: float | None = None
     # set by the adaptive layer when this request completed a re-tune: its answer waits for the
     # result's check (at most CHECK_HOLD_S: the decode thread runs it, then the next request) and
@@ -74,6 +79,20 @@ class Job:
     adapt: Any = None  # the adaptive layer's routing of this request (``Adapter.begin``)
     control: dict[str, Any] | None = None  # its controller's summary, once decoded (``RequestController.summary``)
     tuning: dict[str, Any] | None = None  # a re-tune's request: the tuning it carried (``Adapter.generate_retune``)
+
+
+def stages(job: Job) -> dict[str, float]:
+    """Where ``job``'s time to its first token went, in seconds (the stages it reached): ``queue_s``
+    (accepted -> the decode thread took it), ``admit_s`` (-> its prompt's first chunk ready: the
+    adaptive layer's routing, its decoder), ``prefill_s`` (-> its last chunk ran, steps it rode in
+    included), ``start_s`` (-> its first token: its controller's start). A re-tune's request, decoded
+    whole by its tuner, has ``queue_s`` and ``decode_to_first_s``."""
+    marks = [("queue_s", job.accepted_at, job.admitted_at), ("admit_s", job.admitted_at, job.prefill_at),
+             ("prefill_s", job.prefill_at, job.prefilled_at), ("start_s", job.prefilled_at, job.first_token_at)]
+    out = {name: round(end - begin, 6) for name, begin, end in marks if begin is not None and end is not None}
+    if job.prefill_at is None and job.admitted_at is not None and job.first_token_at is not None:
+        out["decode_to_first_s"] = round(job.first_token_at - job.admitted_at, 6)
+    return out
 
 
 def live_keys(job: Job) -> list[str]:

@@ -129,6 +129,7 @@ class DecodeLoop:
             job.emit("error", shutting_down())
             return
         self.solo = job
+        job.admitted_at = time.perf_counter()
         try:
             if self.hooks.fault is not None:
                 self.hooks.fault(job)
@@ -150,6 +151,7 @@ class DecodeLoop:
             except BaseException:
                 self.decoders.release(strategy, dec)
                 raise
+            job.prefill_at = time.perf_counter()
             self.prefilling.append(p)
         except ApiError as exc:
             self._fail(job, None, exc)
@@ -214,6 +216,7 @@ class DecodeLoop:
             except BaseException:  # its decoder goes back; on the worker's end it stays listed, to be answered
                 self.decoders.release(strategy, dec)
                 raise
+            job.prefilled_at = time.perf_counter()
             self.prefilling.remove(p)
             running = Running(job, Member(dec, seq), strategy, self.control.controller(job, strategy, dec))
             self.batch.append(running)

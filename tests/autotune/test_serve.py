@@ -149,7 +149,13 @@ def test_completions_endpoint_and_unknown_route(live, pool, smollm):
     want = plain_text(pool, smollm, Prompt(id="c", text=text), 12)
     assert (r.choices[0].text, r.model_extra["autotune"]["token_ids"]) == want
     assert r.usage.completion_tokens == len(want[1])
-    assert r.model_extra["autotune"]["route"] == "unknown" and r.model_extra["autotune"]["strategy"] == "plain"
+    info = r.model_extra["autotune"]
+    assert info["route"] == "unknown" and info["strategy"] == "plain"
+    # where its time to the first token went: every stage, adding up to it
+    stages = info["stages"]
+    assert set(stages) == {"queue_s", "admit_s", "prefill_s", "start_s"} and min(stages.values()) >= 0
+    assert sum(stages.values()) == pytest.approx(info["ttft_s"], abs=1e-4)
+    assert stages["prefill_s"] > 0
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
