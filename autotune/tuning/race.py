@@ -253,8 +253,10 @@ class Race:
         """Start a measured trial for the best racer that won ``race_windows`` fresh windows, or
         at once for one scored ``rush`` (a share) above the ``incumbent``'s score on the same
         window: a candidate priced that far ahead is measured now, not a window later (the
-        measurement still decides). It decodes as the challenger. -> whether one started."""
-        ready = [r for r in survivors if r.wins >= self.race_windows or self.rushes(r, incumbent, rush)]
+        measurement still decides). It decodes as the challenger. A survivor no longer in the race
+        (pushed out by better-priced joiners since it survived) is not measured. -> whether one started."""
+        ready = [r for r in survivors if self.race.get(r.strategy) is r
+                 and (r.wins >= self.race_windows or self.rushes(r, incumbent, rush))]
         if not ready:
             return False
         racer = max(ready, key=lambda r: r.score)

@@ -1113,6 +1113,32 @@ def test_a_kind_whose_rushed_trial_lost_races_like_any_other(target):
     assert race.rushes(racer(8, 80.0), 32.0, 0.25)
 
 
+def test_a_survivor_pushed_out_of_the_race_by_joiners_is_not_measured(target):
+    """A window's survivors are re-scored first, then the sweep's joiners enter; where the race is
+    full, the worst-priced racer leaves it, a survivor that won its windows included. The measured
+    trial goes to a racer still in the race, never to the one pushed out (a live re-tune failed on
+    that, ``KeyError``, in a ``serve --adaptive`` replay). Power check: kept in the race, the same
+    survivor is the one measured."""
+    from autotune.tuning.race import RACE_SIZE, Race, Racer
+
+    def build() -> tuple[Race, Racer]:
+        race = Race(switch_margin=0.05, race_windows=1, probation_tokens=128)
+        race.incumbent.predicted_tps = 10.0
+        veteran = Racer(Strategy(drafter="prompt-lookup", draft_length=2), trial=0, score=11.0, raw=11.0,
+                        matchness=0.5, wins=1)
+        race.race[veteran.strategy] = veteran
+        return race, veteran
+
+    decoder = Decoder(target, PromptLookupDrafter(max_ngram=3), 4, verify_width=9, kind="prompt-lookup")
+    race, veteran = build()
+    for k in range(3, 3 + RACE_SIZE):  # better-priced joiners fill the race: the veteran is the worst
+        assert race.join(Strategy(drafter="prompt-lookup", draft_length=k), k, 12.0 + k, 12.0 + k, 0.5, 10.0)
+    assert veteran.strategy not in race.race and len(race.race) == RACE_SIZE
+    assert not race.measure_best(decoder, [veteran], 10.0, None) and race.challenger is None
+    race, veteran = build()
+    assert race.measure_best(decoder, [veteran], 10.0, None) and race.challenger.strategy == veteran.strategy
+
+
 def test_the_held_out_text_is_priced_by_the_cost_model_alone(target, draft):
     """``price_text`` prices a text the candidate just decoded: its replay knows what that text
     accepts, so the strategy's correction (which holds how far window forecasts of acceptance
