@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, UNKNOWN, RouteDecision, RouteEntry, TaskRouter
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, REACH_SLACK, UNKNOWN, RouteDecision, RouteEntry, \
+    TaskRouter, own_spread
 from autotune.serving.routing.router_eval import measure_routing
 from autotune.store.records import PROMPT_CHARS
 from search_spaces.strategy import PLAIN, Strategy
@@ -117,6 +118,46 @@ def test_measured_default_threshold_routes_real_task_prompts():
         if case.held in ("humaneval", "gsm8k"):  # code and maths route reliably, in and out
             assert case.share(DEFAULT_ROUTE_DISTANCE, case.expected) >= 0.9, case
     assert "accuracy" in measured.table() and np.isfinite(measured.cases[0].quantiles()).all()
+
+
+def test_a_route_takes_texts_only_as_far_as_its_own_prompts_fall_apart():
+    """Fitted as a server is after studies of 4 prompts of HumanEval, GSM8K and MT-Bench: XSum
+    articles (the ``mixed`` stream's) fall within the threshold of HumanEval's centroid but farther
+    than HumanEval's own prompts fall from each other, so they are unknown; held-out HumanEval and
+    GSM8K prompts still route home. Power: the threshold alone sends articles to HumanEval."""
+    from tests.helpers import routing_texts
+
+    fitted = [RouteEntry(t, i, PLAIN, tuple(routing_texts(t, 4))) for i, t in enumerate(("humaneval", "gsm8k",
+                                                                                         "mt-bench"))]
+    articles = routing_texts("xsum", 12, offset=20)
+    router, loose = TaskRouter().fit(fitted), TaskRouter(reach_slack=None).fit(fitted)
+    assert router.reaches[0] < DEFAULT_ROUTE_DISTANCE and loose.reaches.tolist() == [DEFAULT_ROUTE_DISTANCE] * 3
+    assert [router.route(t).route for t in articles] == [UNKNOWN] * 12
+    assert sum(loose.route(t).route == "humaneval" for t in articles) >= 2  # the power check
+    for task in ("humaneval", "gsm8k"):
+        assert [router.route(t).route for t in routing_texts(task, 12, offset=20)] == [task] * 12
+
+
+def test_own_spread_is_the_farthest_leave_one_out_distance():
+    rows = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.6, 0.8]])
+    spread = own_spread(rows, [3, 1])
+    # group [e1, e2, e1]: e2 against the others' centroid (e1) is 1 - 0; a group of one row: 1.0
+    assert spread.tolist() == pytest.approx([1.0, 1.0])
+    # [e1, e1, (0.6, 0.8)]: the last against e1 is 1 - 0.6; each e1 against (1.6, 0.8) only 1 - 1.6 / 1.79
+    assert own_spread(rows[[0, 2, 3]], [3]).tolist() == pytest.approx([0.4])
+    assert own_spread(rows[[0, 2]], [2]).tolist() == pytest.approx([0.0])  # identical prompts: no reach beyond them
+
+
+def test_measured_reach_cuts_misroutes_where_routes_hold_few_prompts():
+    """``REACH_SLACK`` on two protocols: fitted on 4 prompts of three of the ``mixed`` stream's seven
+    tasks (every such set; the other four's prompts should be unknown), the reach routes clearly
+    more as expected than the threshold alone; fitted on 20 prompts of two of three tasks (the
+    threshold's own protocol), it costs at most half a point."""
+    few = measure_routing(("humaneval", "gsm8k", "mt-bench", "xsum", "nq-open", "asdiv", "translation"),
+                          fit_prompts=4, held_out=12, fitted=3)
+    assert few.accuracy(DEFAULT_ROUTE_DISTANCE, REACH_SLACK) >= few.accuracy(DEFAULT_ROUTE_DISTANCE) + 0.05
+    many = measure_routing()
+    assert many.accuracy(DEFAULT_ROUTE_DISTANCE, REACH_SLACK) >= many.accuracy(DEFAULT_ROUTE_DISTANCE) - 0.005
 
 
 def test_the_protocol_fits_sets_of_any_size():

@@ -52,7 +52,7 @@ class StrategyBook:
                                           history_id=best.history_id))
             except StrategyError as exc:  # a row this version cannot read is skipped, not fatal
                 self.skipped[best.id] = str(exc)
-        router = TaskRouter(self.router.threshold)
+        router = TaskRouter(self.router.threshold, self.router.reach_slack)
         router.fit(entries)
         general = next((e for e in entries if e.task == GENERAL_TASK), None)
         with self._lock:

@@ -15,6 +15,7 @@ from autotune.serving.routing.router import UNKNOWN, RouteEntry, TaskRouter
 from search_spaces.strategy import Strategy
 
 MEASURED_TASKS = ("humaneval", "gsm8k", "mt-bench")
+SLACKS = (None, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # reach slacks the table compares (``TaskRouter(reach_slack=)``)
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,21 @@ class RoutingCase:
     held: str
     distances: tuple[float, ...]  # to the nearest centroid
     nearest: tuple[str, ...]  # the nearest centroid's task
+    spreads: tuple[float, ...] = ()  # the nearest entry's own spread (``router.own_spread``), per prompt
 
     @property
     def expected(self) -> str:
         return self.held if self.held in self.fitted else UNKNOWN
 
-    def decisions(self, threshold: float) -> list[str]:
-        return [task if d < threshold else UNKNOWN for d, task in zip(self.distances, self.nearest)]
+    def decisions(self, threshold: float, slack: float | None = None) -> list[str]:
+        """Each prompt's route at ``threshold``, each entry's reach narrowed to ``slack`` x its own
+        spread (None: the threshold alone), as ``TaskRouter(threshold, slack)`` routes."""
+        spreads = self.spreads or (1.0,) * len(self.distances)
+        return [task if d < (threshold if slack is None else min(threshold, slack * s)) else UNKNOWN
+                for d, task, s in zip(self.distances, self.nearest, spreads)]
 
-    def share(self, threshold: float, route: str) -> float:
-        decisions = self.decisions(threshold)
+    def share(self, threshold: float, route: str, slack: float | None = None) -> float:
+        decisions = self.decisions(threshold, slack)
         return sum(d == route for d in decisions) / len(decisions)
 
     def quantiles(self, qs: Sequence[float] = (0.0, 0.1, 0.5, 0.9, 1.0)) -> list[float]:
@@ -46,32 +52,36 @@ class RoutingMeasurement:
     cases: tuple[RoutingCase, ...]
     grid: tuple[float, ...] = tuple(round(0.01 * i, 2) for i in range(101))
 
-    def accuracy(self, threshold: float) -> float:
+    def accuracy(self, threshold: float, slack: float | None = None) -> float:
         """Fraction of all held-out prompts routed as expected (own task, or unknown for the third)."""
-        right = sum(case.share(threshold, case.expected) * len(case.distances) for case in self.cases)
+        right = sum(case.share(threshold, case.expected, slack) * len(case.distances) for case in self.cases)
         return right / sum(len(case.distances) for case in self.cases)
 
-    def best_threshold(self) -> float:
+    def best_threshold(self, slack: float | None = None) -> float:
         """The middle of the grid points with the highest accuracy."""
-        scores = [self.accuracy(t) for t in self.grid]
+        scores = [self.accuracy(t, slack) for t in self.grid]
         top = [t for t, s in zip(self.grid, scores) if s == max(scores)]
         return top[len(top) // 2]
 
-    def table(self, threshold: float | None = None) -> str:
+    def table(self, threshold: float | None = None, slack: float | None = None) -> str:
         """A markdown table of the measurement: distance quantiles, and where the held-out prompts
-        go at ``threshold`` (default ``best_threshold()``): the expected route, unknown, another task."""
-        th = self.best_threshold() if threshold is None else threshold
+        go at ``threshold`` (default ``best_threshold()``) and reach ``slack``: the expected route,
+        unknown, another task; then the accuracy at each slack of ``SLACKS``."""
+        th = self.best_threshold(slack) if threshold is None else threshold
         lines = [f"| fitted on | held out | distance q0 / q10 / q50 / q90 / q100 | expected | at {th:.2f}: "
                  "expected / unknown / other task |", "|---|---|---|---|---|"]
         for case in self.cases:
             q = " / ".join(f"{x:.2f}" for x in case.quantiles())
-            right, unknown = case.share(th, case.expected), case.share(th, UNKNOWN)
+            right, unknown = case.share(th, case.expected, slack), case.share(th, UNKNOWN, slack)
             other = 1.0 - right - (0.0 if case.expected == UNKNOWN else unknown)
             shown = f"{100 * right:.0f} / {'-' if case.expected == UNKNOWN else f'{100 * unknown:.0f}'} / {100 * other:.0f} %"
             lines.append(f"| {' + '.join(case.fitted)} | {case.held} | {q} | {case.expected} | {shown} |")
         total = sum(len(c.distances) for c in self.cases)
-        curve = ", ".join(f"{t:.2f}: {self.accuracy(t):.3f}" for t in (0.5, 0.6, th, 0.7, 0.8, 0.9))
-        lines.append(f"\naccuracy {self.accuracy(th):.3f} at threshold {th:.2f} over {total} decisions ({curve})")
+        curve = ", ".join(f"{t:.2f}: {self.accuracy(t, slack):.3f}" for t in (0.5, 0.6, th, 0.7, 0.8, 0.9))
+        lines.append(f"\naccuracy {self.accuracy(th, slack):.3f} at threshold {th:.2f}, reach slack {slack} over "
+                     f"{total} decisions ({curve})")
+        by_slack = ", ".join(f"{s}: {self.accuracy(th, s):.3f}" for s in SLACKS)
+        lines.append(f"at threshold {th:.2f}, by reach slack (None: the threshold alone): {by_slack}")
         return "\n".join(lines)
 
 
@@ -87,11 +97,14 @@ def measure_routing(
     texts = {t: [routing_text(p) for p in load_prompts(t, limit=fit_prompts + held_out)] for t in tasks}
     cases = []
     for group in itertools.combinations(tasks, fitted):
-        router = TaskRouter().fit(RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(group))
+        entries = [RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(group)]
+        router = TaskRouter(1.0, reach_slack=1.0).fit(entries)  # its reaches: the entries' own spreads
+        spread = {e.task: float(r) for e, r in zip(router.entries, router.reaches)}
         for held in tasks:
             d = router.distances(texts[held][fit_prompts:])
             nearest = tuple(router.entries[j].task for j in d.argmin(axis=1))
-            cases.append(RoutingCase(group, held, tuple(float(x) for x in d.min(axis=1)), nearest))
+            cases.append(RoutingCase(group, held, tuple(float(x) for x in d.min(axis=1)), nearest,
+                                     tuple(spread[t] for t in nearest)))
     return RoutingMeasurement(tuple(cases))
 
 
@@ -105,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--held-out", type=int, default=60, help="prompts of each task routed")
     p.add_argument("--fitted", type=int, default=2, help="tasks fitted at once (every such set is measured)")
     p.add_argument("--threshold", type=float, help="the threshold the table shows (default: the best one)")
+    p.add_argument("--reach-slack", type=float, help="each route's reach: its own spread x this (default: none, "
+                   "the threshold alone; serve's is router.REACH_SLACK)")
     args = p.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     if not 1 <= args.fitted < len(tasks):
@@ -115,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         measured = measure_routing(tasks, args.fit_prompts, args.held_out, args.fitted)
     except TaskError as exc:  # an unknown task, or data not found: one line
         p.error(str(exc))
-    print(measured.table(args.threshold))
+    print(measured.table(args.threshold, args.reach_slack))
 
 
 if __name__ == "__main__":
