@@ -3,9 +3,9 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with ``[DONE]``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every response carries an ``autotune``
 object next to ``usage``: the route, the strategy (stored id, "plain" or "default"), drafted,
-accepted, M, tokens/s, and where its time to the first token went (``jobs.stages``). Bad input is refused here with an OpenAI error body and never reaches
-the worker; an error body never carries a path, a storage URL or an exception's name (those go to
-the log). ``guard.Guard`` checks the API key and the body size before any of this runs.
+accepted, M, tokens/s, and where its time to the first token went (``jobs.stages``). Bad input is
+refused here with an OpenAI error body and never reaches the worker; an error body never carries a
+path, a storage URL or an exception's name (those go to the log). ``guard.Guard`` checks the API key and the body size before any of this runs.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, REACH_SLACK, UNKNOWN, RouteDecision, RouteEntry, \
+from autotune.serving.routing.router import DEFAULT_ROUTE_DISTANCE, MIN_REACH, REACH_SLACK, UNKNOWN, RouteDecision, RouteEntry, \
     TaskRouter, own_spread
 from autotune.serving.routing.router_eval import measure_routing
 from autotune.store.records import PROMPT_CHARS
@@ -145,7 +145,12 @@ def test_own_spread_is_the_farthest_leave_one_out_distance():
     assert spread.tolist() == pytest.approx([1.0, 1.0])
     # [e1, e1, (0.6, 0.8)]: the last against e1 is 1 - 0.6; each e1 against (1.6, 0.8) only 1 - 1.6 / 1.79
     assert own_spread(rows[[0, 2, 3]], [3]).tolist() == pytest.approx([0.4])
-    assert own_spread(rows[[0, 2]], [2]).tolist() == pytest.approx([0.0])  # identical prompts: no reach beyond them
+    assert own_spread(rows[[0, 2]], [2]).tolist() == pytest.approx([0.0])  # identical prompts: no spread
+    # ... yet a route of identical prompts still takes its own text and a near copy (MIN_REACH)
+    router = TaskRouter().fit([RouteEntry("code", 1, PLAIN, (CODE[0],) * 3), entries()[1]])
+    assert router.spreads[0] == pytest.approx(0.0, abs=1e-9) and router.reaches[0] == MIN_REACH
+    assert router.route(CODE[0]).route == "code"
+    assert router.route(CODE[0] + "\n").route == "code"
 
 
 def test_measured_reach_cuts_misroutes_where_routes_hold_few_prompts():

@@ -24,8 +24,9 @@ spread and the threshold: after studies of 4 prompts of HumanEval, GSM8K and MT-
 ``mixed`` stream's 12 XSum articles routed to HumanEval (0.59-0.64 from its centroid, whose own
 prompts lie within 0.51) and drafted with its prompt lookup. Measured by ``router_eval`` (fit on 4
 prompts of three of the stream's seven tasks, every set, the other four's prompts unknown): 0.734
-of the decisions as expected with the threshold alone, 0.824 with the reach; on the threshold's own
-protocol above, 0.811 and 0.809. A route of one prompt has no spread: the threshold alone.
+of the decisions as expected with the threshold alone, 0.825 with the reach; on the threshold's own
+protocol above, 0.811 and 0.809. A route of one prompt has no spread: the threshold alone; one of
+near-identical prompts still reaches ``MIN_REACH``.
 
 Entries without prompts (results recorded before prompts were stored, or by code that stored none)
 cannot be routed to; they stay reachable by explicit strategy id. ``fit`` replaces the fitted state
@@ -45,11 +46,14 @@ from autotune.serving.routing.terms import terms
 from autotune.store.records import clip_prompt
 from search_spaces.strategy import Strategy
 
-__all__ = ["DEFAULT_ROUTE_DISTANCE", "UNKNOWN", "RouteDecision", "RouteEntry", "TaskRouter", "centroids",
-           "make_vectorizer"]
+__all__ = ["DEFAULT_ROUTE_DISTANCE", "MIN_REACH", "REACH_SLACK", "UNKNOWN", "RouteDecision", "RouteEntry",
+           "TaskRouter", "centroids", "make_vectorizer", "own_spread", "reach"]
 
 DEFAULT_ROUTE_DISTANCE = 0.65  # measured: autotune.serving.routing.router_eval
 REACH_SLACK = 1.0  # a route's reach: its farthest own prompt's leave-one-out distance x this (router_eval)
+# ... and at least this: a route of near-identical prompts still takes a text that differs in a few
+# words (GSM8K's held-out prompts fall within 0.021 of the centroid of 4 stored ones)
+MIN_REACH = 0.1
 UNKNOWN = "unknown"
 
 
@@ -85,6 +89,7 @@ class _Fitted:
     entries: tuple[RouteEntry, ...]  # the routable ones, one centroid row each
     vectorizer: TfidfVectorizer | None = None
     centroids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [entries, vocab], rows L2 = 1
+    spreads: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [entries]: ``own_spread``
     reaches: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [entries]: the distance each routes within
 
 
@@ -125,11 +130,15 @@ class TaskRouter:
         matrix = normalize(vectorizer.fit_transform([t for _, texts in usable for t in texts]))
         sizes = [len(texts) for _, texts in usable if texts]
         cents = centroids(matrix, sizes)
-        reaches = np.full(len(routable), self.threshold)
-        if self.reach_slack is not None:
-            reaches = np.minimum(reaches, self.reach_slack * own_spread(matrix, sizes))
-        self._fitted = _Fitted(entries=routable, vectorizer=vectorizer, centroids=cents, reaches=reaches)
+        spreads = own_spread(matrix, sizes)
+        self._fitted = _Fitted(entries=routable, vectorizer=vectorizer, centroids=cents, spreads=spreads,
+                               reaches=reach(self.threshold, self.reach_slack, spreads))
         return self
+
+    @property
+    def spreads(self) -> np.ndarray:
+        """Each routable entry's own spread (``own_spread``), ``[entries]``."""
+        return self._fitted.spreads
 
     @property
     def reaches(self) -> np.ndarray:
@@ -159,6 +168,14 @@ def centroids(vectors, sizes: Sequence[int]) -> np.ndarray:
     ``[len(sizes), vocab]``."""
     bounds = np.cumsum([0, *sizes])
     return normalize(np.vstack([np.asarray(vectors[lo:hi].mean(axis=0)) for lo, hi in itertools.pairwise(bounds)]))
+
+
+def reach(threshold: float, slack: float | None, spreads: np.ndarray) -> np.ndarray:
+    """The distance within which each route takes a text: ``threshold``, narrowed to ``slack`` x
+    its own spread (at least ``MIN_REACH``) where that is less; ``slack`` None: the threshold alone."""
+    if slack is None:
+        return np.full(len(spreads), threshold)
+    return np.minimum(threshold, np.maximum(slack * np.asarray(spreads, dtype=float), MIN_REACH))
 
 
 def own_spread(vectors, sizes: Sequence[int]) -> np.ndarray:

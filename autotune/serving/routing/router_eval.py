@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.serving.routing.router import UNKNOWN, RouteEntry, TaskRouter
+from autotune.serving.routing.router import UNKNOWN, RouteEntry, TaskRouter, reach
 from search_spaces.strategy import Strategy
 
 MEASURED_TASKS = ("humaneval", "gsm8k", "mt-bench")
@@ -36,8 +36,8 @@ class RoutingCase:
         """Each prompt's route at ``threshold``, each entry's reach narrowed to ``slack`` x its own
         spread (None: the threshold alone), as ``TaskRouter(threshold, slack)`` routes."""
         spreads = self.spreads or (1.0,) * len(self.distances)
-        return [task if d < (threshold if slack is None else min(threshold, slack * s)) else UNKNOWN
-                for d, task, s in zip(self.distances, self.nearest, spreads)]
+        reaches = reach(threshold, slack, np.asarray(spreads))
+        return [task if d < r else UNKNOWN for d, task, r in zip(self.distances, self.nearest, reaches)]
 
     def share(self, threshold: float, route: str, slack: float | None = None) -> float:
         decisions = self.decisions(threshold, slack)
@@ -98,8 +98,8 @@ def measure_routing(
     cases = []
     for group in itertools.combinations(tasks, fitted):
         entries = [RouteEntry(t, i, Strategy(), tuple(texts[t][:fit_prompts])) for i, t in enumerate(group)]
-        router = TaskRouter(1.0, reach_slack=1.0).fit(entries)  # its reaches: the entries' own spreads
-        spread = {e.task: float(r) for e, r in zip(router.entries, router.reaches)}
+        router = TaskRouter().fit(entries)
+        spread = {e.task: float(r) for e, r in zip(router.entries, router.spreads)}
         for held in tasks:
             d = router.distances(texts[held][fit_prompts:])
             nearest = tuple(router.entries[j].task for j in d.argmin(axis=1))
