@@ -121,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--reach-slack", type=float, help="each route's reach: its own spread x this (default: none, "
                    "the threshold alone; serve's is router.REACH_SLACK)")
     args = p.parse_args(argv)
+    if args.reach_slack is not None and not args.reach_slack > 0:
+        p.error(f"--reach-slack must be a positive number, got {args.reach_slack}")
     tasks = [t for t in args.tasks.split(",") if t]
     if not 1 <= args.fitted < len(tasks):
         p.error(f"--fitted must be between 1 and the number of tasks less one ({len(tasks) - 1}), got {args.fitted}")
