@@ -13,7 +13,8 @@ strategies, and the controller's cost (its scoring time over their decode time).
 server collected ``unknown`` requests into pending clusters (``serve --adaptive``), the adjusted
 Rand index of those clusters against the stream's categories. A request sent in several rounds
 (``replay --repeat``) counts once per mode, at its median over the rounds (``combined``), and the
-report shows how far a mode's second round ran from its first (``repeat_spread``).
+report shows how far a mode's second round ran from its first (``repeat_spread``) and, per
+category, a bootstrap interval of each mode's tok/s over plain's (``vs_plain_intervals``).
 """
 from __future__ import annotations
 
@@ -134,6 +135,46 @@ def repeat_spread(records: Sequence[ReplayRecord], modes: Sequence[str]) -> dict
     return out
 
 
+INTERVAL_LEVEL = 0.9
+"""The coverage of ``vs_plain_intervals`` (a two-sided percentile interval)."""
+BOOTSTRAP_SAMPLES = 2000
+
+
+def vs_plain_intervals(records: Sequence[ReplayRecord], modes: Sequence[str], samples: int = BOOTSTRAP_SAMPLES,
+                       level: float = INTERVAL_LEVEL, seed: int = 0) -> dict[str, dict[str, list[float]]] | None:
+    """Per mode but ``plain``, per category and over all (:data:`ALL`): a paired bootstrap interval
+    ``[low, high]`` of its tok/s over plain decoding's (tokens over decode time, as the rows),
+    resampling the requests both modes answered, with replacement. How far a category's ratio can
+    be told from 1 with this many requests. ``records`` as ``aggregate`` counts them (``combined``);
+    None without ``plain``. Seeded: the same records give the same intervals."""
+    import numpy as np
+
+    if "plain" not in modes:
+        return None
+    by_key = {(r.index, r.mode): r for r in records}
+    rng = np.random.default_rng(seed)
+    tail = (1.0 - level) / 2.0
+    out: dict[str, dict[str, list[float]]] = {}
+    for mode in (m for m in modes if m != "plain"):
+        pairs = [(r, by_key[(r.index, "plain")]) for r in records if r.mode == mode and (r.index, "plain") in by_key]
+        per: dict[str, list[float]] = {}
+        for category in [*categories([a for a, _ in pairs]), ALL]:
+            group = [(a, b) for a, b in pairs if category in (ALL, a.category)]
+            # per request: (mode tokens, mode seconds, plain tokens, plain seconds)
+            table = np.array([(a.completion_tokens, a.decode_s, b.completion_tokens, b.decode_s) for a, b in group],
+                             dtype=float)
+            picks = rng.integers(0, len(table), size=(samples, len(table)))
+            sums = table[picks].sum(axis=1)  # samples x 4
+            ok = (sums[:, 1] > 0) & (sums[:, 3] > 0) & (sums[:, 2] > 0)
+            if not ok.any():
+                continue
+            ratio = (sums[ok, 0] / sums[ok, 1]) / (sums[ok, 2] / sums[ok, 3])
+            low, high = np.quantile(ratio, [tail, 1.0 - tail])
+            per[category] = [float(low), float(high)]
+        out[mode] = per
+    return out
+
+
 def band_of(tokens: int) -> str:
     """The length band of a response of ``tokens`` completion tokens (``LENGTH_BANDS``)."""
     return next(name for name, top in LENGTH_BANDS if tokens <= top)
@@ -218,6 +259,7 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
     per mode (``combined``), and ``repeat_spread`` compares its rounds."""
     same, spread = identical(records, modes), repeat_spread(records, modes)
     records = combined(records)
+    intervals = vs_plain_intervals(records, modes)
     bad = set(same["differing"])
     rows = []
     for category in [*categories(records), ALL]:
@@ -228,6 +270,7 @@ def aggregate(records: Sequence[ReplayRecord], modes: Sequence[str],
             rows.append({"category": category, "mode": mode, **stats, "differ": differ})
     return {"modes": list(modes), "categories": categories(records), "rows": rows, "identical": same,
             "bands": bands(records, modes), "forced": forced(records), "repeat_spread": spread,
+            "vs_plain_intervals": intervals,
             "route_retunes": dict(route_retunes) if route_retunes is not None else None,
             "stored_tasks": list(stored_tasks) if stored_tasks is not None else None,
             "clustering": clustering(records, stored_tasks)}
@@ -302,6 +345,12 @@ def _caption(report: Mapping[str, Any]) -> str:
         if per_category:
             lines.append(f"{mode}, second round / first (latency): {min(per_category):.3f}-{max(per_category):.3f} "
                          f"per category, {ratios[ALL]:.3f} over all")
+    for mode, per in (report.get("vs_plain_intervals") or {}).items():
+        cats = {c: v for c, v in per.items() if c != ALL}
+        if cats:
+            low = min(cats, key=lambda c: cats[c][0])
+            lines.append(f"{mode} / plain, {INTERVAL_LEVEL:.0%} interval over requests: {per[ALL][0]:.3f}-{per[ALL][1]:.3f} "
+                         f"over all; lowest category {low} {cats[low][0]:.3f}-{cats[low][1]:.3f}")
     cl = report.get("clustering")
     if cl:
         lines.append(f"pending clusters of unknown requests: adjusted Rand index {cl['ari']:.3f} against the "

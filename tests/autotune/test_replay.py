@@ -337,6 +337,34 @@ def test_repeated_rounds_run_backwards_every_second_time_and_count_at_their_medi
     assert identical(changed, ("auto", "plain", "default"))["differing"] == [1]
 
 
+def test_the_interval_of_a_mode_over_plain_tells_a_steady_loss_from_noise() -> None:
+    """``vs_plain_intervals``: a paired bootstrap over the requests, holding each category's own
+    ratio. Power: twelve requests that each ran 0.8x plain (5% spread) give an interval wholly
+    below 1; twelve at plain's speed with 25% spread give one over twice as wide."""
+    import random
+
+    from autotune.reports.replay_report import vs_plain_intervals
+
+    rnd = random.Random(1)
+    records = []
+    for i in range(24):
+        category, speed, spread = ("steady", 0.8, 0.05) if i < 12 else ("noisy", 1.0, 0.25)
+        plain_tps = 10.0 * (1 + rnd.uniform(-spread, spread))
+        records.append(_record(i, category, "plain", tokens_per_s=plain_tps))
+        records.append(_record(i, category, "auto", tokens_per_s=plain_tps * speed * (1 + rnd.uniform(-spread, spread))))
+    got = vs_plain_intervals(records, ("auto", "plain"))
+    steady, noisy = got["auto"]["steady"], got["auto"]["noisy"]
+    report = aggregate(records, ("auto", "plain"))
+    for category, (low, high) in got["auto"].items():  # each holds its own point figure
+        point = row(report, category, "auto")["tokens_per_s"] / row(report, category, "plain")["tokens_per_s"]
+        assert low < point < high
+    assert steady[1] < 1.0 and noisy[1] - noisy[0] > 2 * (steady[1] - steady[0])
+    assert vs_plain_intervals(records, ("auto", "plain")) == got  # seeded
+    assert vs_plain_intervals(records, ("auto",)) is None  # nothing to compare with
+    assert report["vs_plain_intervals"] == got
+    assert f"lowest category steady {steady[0]:.3f}-{steady[1]:.3f}" in format_table(report)
+
+
 def test_length_bands_and_auto_beside_its_choice() -> None:
     records = [
         _record(0, "qa", "auto", completion_tokens=12, tokens_per_s=10.0, latency_s=1.00, ttft_s=0.2),
