@@ -160,6 +160,8 @@ def vs_plain_intervals(records: Sequence[ReplayRecord], modes: Sequence[str], sa
         per: dict[str, list[float]] = {}
         for category in [*categories([a for a, _ in pairs]), ALL]:
             group = [(a, b) for a, b in pairs if category in (ALL, a.category)]
+            if not group:  # no request answered in both modes
+                continue
             # per request: (mode tokens, mode seconds, plain tokens, plain seconds)
             table = np.array([(a.completion_tokens, a.decode_s, b.completion_tokens, b.decode_s) for a, b in group],
                              dtype=float)

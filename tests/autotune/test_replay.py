@@ -361,6 +361,7 @@ def test_the_interval_of_a_mode_over_plain_tells_a_steady_loss_from_noise() -> N
     assert steady[1] < 1.0 and noisy[1] - noisy[0] > 2 * (steady[1] - steady[0])
     assert vs_plain_intervals(records, ("auto", "plain")) == got  # seeded
     assert vs_plain_intervals(records, ("auto",)) is None  # nothing to compare with
+    assert vs_plain_intervals([r for r in records if r.mode == "plain"], ("auto", "plain")) == {"auto": {}}
     assert report["vs_plain_intervals"] == got
     assert f"lowest category steady {steady[0]:.3f}-{steady[1]:.3f}" in format_table(report)
 
