@@ -140,39 +140,39 @@ INTERVAL_LEVEL = 0.9
 BOOTSTRAP_SAMPLES = 2000
 
 
+def _ratio_of_sums(mode_tokens: Any, mode_s: Any, plain_tokens: Any, plain_s: Any, axis: int = -1) -> Any:
+    """tok/s of one mode over plain's, each as its tokens over its decode time summed (the rows')."""
+    return (mode_tokens.sum(axis) / mode_s.sum(axis)) / (plain_tokens.sum(axis) / plain_s.sum(axis))
+
+
 def vs_plain_intervals(records: Sequence[ReplayRecord], modes: Sequence[str], samples: int = BOOTSTRAP_SAMPLES,
                        level: float = INTERVAL_LEVEL, seed: int = 0) -> dict[str, dict[str, list[float]]] | None:
     """Per mode but ``plain``, per category and over all (:data:`ALL`): a paired bootstrap interval
-    ``[low, high]`` of its tok/s over plain decoding's (tokens over decode time, as the rows),
-    resampling the requests both modes answered, with replacement. How far a category's ratio can
-    be told from 1 with this many requests. ``records`` as ``aggregate`` counts them (``combined``);
-    None without ``plain``. Seeded: the same records give the same intervals."""
+    ``[low, high]`` (``scipy.stats.bootstrap``, percentile) of its tok/s over plain decoding's,
+    resampling the requests both modes answered. How far a category's ratio can be told from 1
+    with this many requests. ``records`` as ``aggregate`` counts them (``combined``); a group of
+    fewer than two requests, or with no decode time, has none; None without ``plain``. Seeded:
+    the same records give the same intervals."""
     import numpy as np
+    from scipy.stats import bootstrap
 
     if "plain" not in modes:
         return None
     by_key = {(r.index, r.mode): r for r in records}
-    rng = np.random.default_rng(seed)
-    tail = (1.0 - level) / 2.0
     out: dict[str, dict[str, list[float]]] = {}
     for mode in (m for m in modes if m != "plain"):
         pairs = [(r, by_key[(r.index, "plain")]) for r in records if r.mode == mode and (r.index, "plain") in by_key]
+        pairs = [(a, b) for a, b in pairs if a.decode_s > 0 and b.decode_s > 0]
         per: dict[str, list[float]] = {}
         for category in [*categories([a for a, _ in pairs]), ALL]:
             group = [(a, b) for a, b in pairs if category in (ALL, a.category)]
-            if not group:  # no request answered in both modes
+            if len(group) < 2:
                 continue
-            # per request: (mode tokens, mode seconds, plain tokens, plain seconds)
-            table = np.array([(a.completion_tokens, a.decode_s, b.completion_tokens, b.decode_s) for a, b in group],
-                             dtype=float)
-            picks = rng.integers(0, len(table), size=(samples, len(table)))
-            sums = table[picks].sum(axis=1)  # samples x 4
-            ok = (sums[:, 1] > 0) & (sums[:, 3] > 0) & (sums[:, 2] > 0)
-            if not ok.any():
-                continue
-            ratio = (sums[ok, 0] / sums[ok, 1]) / (sums[ok, 2] / sums[ok, 3])
-            low, high = np.quantile(ratio, [tail, 1.0 - tail])
-            per[category] = [float(low), float(high)]
+            columns = np.array([(a.completion_tokens, a.decode_s, b.completion_tokens, b.decode_s) for a, b in group],
+                               dtype=float).T
+            ci = bootstrap(tuple(columns), _ratio_of_sums, paired=True, vectorized=True, n_resamples=samples,
+                           confidence_level=level, method="percentile", random_state=np.random.default_rng(seed)).confidence_interval
+            per[category] = [float(ci.low), float(ci.high)]
         out[mode] = per
     return out
 
