@@ -1,9 +1,10 @@
 """Plain decoding's speed on the tuning decoder (packed target, every drafter kind of the space on
 standby, no tuner) against a plain decoder, on the same prompts, interleaved, two passes: whether
 keeping the drafters on standby costs plain rounds anything, and how far this machine's speed
-drifts between passes.
+drifts between passes. Each line also gives the request's prefill (the time to its first token).
 
     python tools/plain_rounds.py --task mt-bench --limit 4 --max-new-tokens 96
+    python tools/plain_rounds.py --task gsm8k --offset 24 --limit 1 --precision gguf --passes 3
 """
 from __future__ import annotations
 
@@ -30,11 +31,14 @@ def main() -> int:
     add_prompt_args(ap, ["task", "limit", "max_new_tokens"], task={"default": "mt-bench"}, limit={"default": 4},
                     max_new_tokens={"default": 96})
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--offset", type=int, default=0, help="the task's first prompt")
+    ap.add_argument("--precision", default="float32", help="the target's (the draft's: its default for it)")
     args = ap.parse_args()
 
     pool = ModelPool()
-    target = pool.get(args.model, "float32")
-    prompts = [encode_prompt(item, target.tokenizer) for item in load_prompts(args.task, limit=args.limit)]
+    target = pool.get(args.model, args.precision)
+    prompts = [encode_prompt(item, target.tokenizer)
+               for item in load_prompts(args.task, limit=args.limit, offset=args.offset)]
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_ids(target))
     space = get_space("auto")
     ctx = space_context(space, target, pool.get(args.draft, "float32"), 0.45)
@@ -54,7 +58,8 @@ def main() -> int:
                 rounds_s = s.wall_s - s.prefill_s
                 totals[name][0] += s.new_tokens - 1
                 totals[name][1] += rounds_s
-                print(f"pass {p + 1} {name:>14}: {(s.new_tokens - 1) / rounds_s:.2f} tok/s (decode rounds)")
+                print(f"pass {p + 1} {name:>14}: {(s.new_tokens - 1) / rounds_s:.2f} tok/s (decode rounds), "
+                      f"prefill {s.prefill_s:.2f} s")
     for name, (n, secs) in totals.items():
         print(f"{name:>14}: {n / secs:.2f} tok/s over {n} tokens")
     return 0
