@@ -18,6 +18,7 @@ from autotune.cli.args import add_model_args, add_prompt_args  # noqa: E402
 from autotune.tuning.study import space_context, standby_strategies, verify_width  # noqa: E402
 from runtime.decoding import GenerationConfig  # noqa: E402
 from runtime.pipeline import ModelPool, build_decoder, eos_ids  # noqa: E402
+from runtime.precision import PRECISIONS  # noqa: E402
 from search_spaces.spaces import get_space  # noqa: E402
 from search_spaces.strategy import PLAIN  # noqa: E402
 from studies import load_prompts  # noqa: E402
@@ -32,7 +33,8 @@ def main() -> int:
                     max_new_tokens={"default": 96})
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--offset", type=int, default=0, help="the task's first prompt")
-    ap.add_argument("--precision", default="float32", help="the target's (the draft's: its default for it)")
+    ap.add_argument("--precision", default="float32", choices=sorted(PRECISIONS),
+                    help="the target's precision (the draft stays float32)")
     args = ap.parse_args()
 
     pool = ModelPool()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -155,6 +155,12 @@ class ReplayRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "token_ids": list(self.token_ids), "decode_s": self.decode_s}
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> ReplayRecord:
+        """The record ``as_dict`` wrote (a ``--json`` file's ``records``); derived keys are dropped."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in row.items() if k in names}, "token_ids": tuple(row["token_ids"])})
 
 
 def _httpx() -> Any:

@@ -364,6 +364,8 @@ def test_the_interval_of_a_mode_over_plain_tells_a_steady_loss_from_noise() -> N
     assert vs_plain_intervals([r for r in records if r.mode == "plain"], ("auto", "plain")) == {"auto": {}}
     assert report["vs_plain_intervals"] == got
     assert f"lowest category steady {steady[0]:.3f}-{steady[1]:.3f}" in format_table(report)
+    rows = json.loads(json.dumps([r.as_dict() for r in records]))  # a --json file's records, read back
+    assert vs_plain_intervals([ReplayRecord.from_dict(r) for r in rows], ("auto", "plain")) == got
 
 
 def test_length_bands_and_auto_beside_its_choice() -> None:
